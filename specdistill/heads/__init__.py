@@ -1,1 +1,82 @@
+"""Draft heads and their own checkpoint format (`head.safetensors` + `head_config.json`).
 
+The trainer and the drafter see a head only through: `initial_hidden`, `step`, `logits`,
+`draft_to_target`, `init_from_target`, `trainable_state_dict`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from specdistill.config import HeadConfig
+from specdistill.heads.eagle3 import Eagle3Config, Eagle3Head
+from specdistill.heads.layers import HeadArch
+from specdistill.io import save_tensors, write_json
+
+HEADS = {"eagle3": (Eagle3Config, Eagle3Head)}
+HEAD_WEIGHTS = "head.safetensors"
+HEAD_CONFIG = "head_config.json"
+
+
+def arch_from_target(target_config, head_cfg: HeadConfig) -> HeadArch:
+    """The head's block mirrors one target layer unless the config overrides a dimension."""
+    tc = target_config
+    heads = head_cfg.num_attention_heads or tc.num_attention_heads
+    hidden = head_cfg.hidden_size or tc.hidden_size
+    rope = dict(getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(tc, "rope_theta", 10000.0)})
+    return HeadArch(
+        hidden_size=hidden,
+        intermediate_size=head_cfg.intermediate_size or tc.intermediate_size,
+        num_attention_heads=heads,
+        num_key_value_heads=head_cfg.num_key_value_heads or tc.num_key_value_heads,
+        head_dim=head_cfg.head_dim or getattr(tc, "head_dim", None) or hidden // heads,
+        rms_norm_eps=float(tc.rms_norm_eps),
+        max_position_embeddings=int(tc.max_position_embeddings),
+        rope_parameters=rope,
+    )
+
+
+def build_head(head_cfg: HeadConfig, target, d2t: torch.Tensor, t2d: torch.Tensor):
+    """A new head sized for `target`, with the target's embedding (and lm_head rows) copied in."""
+    if head_cfg.kind not in HEADS:
+        raise ValueError(f"config field `head.kind`: {head_cfg.kind!r} is not built yet; available: {list(HEADS)}")
+    config_cls, head_cls = HEADS[head_cfg.kind]
+    tc = target.config
+    config = config_cls(
+        arch=arch_from_target(tc, head_cfg), vocab_size=tc.vocab_size, draft_vocab_size=len(d2t),
+        target_hidden_size=tc.hidden_size, aux_layer_ids=list(target.layer_ids), target_num_layers=tc.num_hidden_layers,
+    )
+    head = head_cls(config)
+    lm_head = target.model.get_output_embeddings().weight if head_cfg.init_lm_head_from_target else None
+    if config.arch.hidden_size != tc.hidden_size:
+        lm_head = None  # rows of another width cannot be copied; the embedding stays trainable-size random
+        head.d2t.copy_(d2t)
+        head.t2d.copy_(t2d)
+    else:
+        head.init_from_target(target.model.get_input_embeddings().weight.float(),
+                              None if lm_head is None else lm_head.float(), d2t, t2d)
+    return head
+
+
+def save_head(head, directory: str | Path) -> None:
+    directory = Path(directory)
+    save_tensors(directory / HEAD_WEIGHTS, {k: v.detach().cpu() for k, v in head.trainable_state_dict().items()})
+    write_json(directory / HEAD_CONFIG, head.config.to_dict())
+
+
+def load_head(directory: str | Path, device: str | torch.device = "cpu"):
+    directory = Path(directory)
+    if not (directory / HEAD_CONFIG).exists():
+        raise FileNotFoundError(f"{directory}: no {HEAD_CONFIG}; expected a head checkpoint directory")
+    d = json.loads((directory / HEAD_CONFIG).read_text())
+    config_cls, head_cls = HEADS[d.get("kind", "eagle3")]
+    head = head_cls(config_cls.from_dict(d))
+    missing, unexpected = head.load_state_dict(load_file(str(directory / HEAD_WEIGHTS)), strict=False)
+    missing = [k for k in missing if not k.startswith("rotary.")]
+    if missing or unexpected:
+        raise ValueError(f"{directory / HEAD_WEIGHTS}: missing keys {missing}, unexpected keys {unexpected}")
+    return head.to(device)

@@ -1,0 +1,207 @@
+"""The `prepare` stage: conversations (self-synthesised, or read and regenerated) -> tokenized samples with
+assistant-only loss masks -> draft vocabulary.
+
+Output layout under the data dir (`cfg.out`, else `<run dir>/data`), read by capture and train:
+  samples/            HF datasets `save_to_disk`: input_ids (int32), loss_mask (uint8), messages and
+                      provenance (JSON strings)
+  vocab.safetensors   d2t int64 [N], t2d bool [V], counts int64 [V] (see `vocab.py`)
+  rejects.jsonl       every unusable row with its reason and source position
+  summary.json        counts, rejects per reason, coverage, timings; written last, so its presence
+                      with a matching fingerprint means the stage is complete and can be skipped
+  cache/              generated conversations by content hash (a killed run resumes from here)
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import datasets
+import torch
+
+from specdistill.config import RunConfig
+from specdistill.data.cache import ConversationCache, content_key
+from specdistill.data.generate import LocalGenerator
+from specdistill.data.rejects import RejectLog, RowError
+from specdistill.data.synth import synthesize
+from specdistill.data.template import ChatFormat
+from specdistill.data.vocab import DraftVocab, build_draft_vocab, count_tokens
+from specdistill.io import write_json
+from specdistill.target import DTYPES, Target
+
+log = logging.getLogger(__name__)
+
+SAMPLE_FEATURES = datasets.Features({
+    "input_ids": datasets.Sequence(datasets.Value("int32")),
+    "loss_mask": datasets.Sequence(datasets.Value("uint8")),
+    "messages": datasets.Value("string"),
+    "provenance": datasets.Value("string"),
+})
+
+
+@dataclass
+class PreparedData:
+    samples: datasets.Dataset
+    vocab: DraftVocab
+
+
+def data_dir_of(cfg: RunConfig) -> Path:
+    return Path(cfg.out) if cfg.out else cfg.run_dir / "data"
+
+
+def load_prepared(data_dir: str | Path) -> PreparedData:
+    """The prepare stage's output, for capture and train."""
+    data_dir = Path(data_dir)
+    if not (data_dir / "summary.json").exists():
+        raise FileNotFoundError(f"{data_dir}: no complete prepared data (summary.json missing); run the prepare stage")
+    return PreparedData(samples=datasets.load_from_disk(str(data_dir / "samples")),
+                        vocab=DraftVocab.load(data_dir / "vocab.safetensors"))
+
+
+def fingerprint(cfg: RunConfig) -> str:
+    """What the prepared data depends on; a change rebuilds it (the conversation cache still applies)."""
+    return content_key(asdict(cfg.data), cfg.target.name, cfg.target.revision, cfg.seed)
+
+
+def _completed_summary(data_dir: Path, want: str) -> dict | None:
+    path = data_dir / "summary.json"
+    if not (path.exists() and (data_dir / "samples").is_dir() and (data_dir / "vocab.safetensors").exists()):
+        return None
+    summary = json.loads(path.read_text())
+    if summary.get("fingerprint") != want:
+        log.info("%s holds data prepared with another config; preparing again", data_dir)
+        return None
+    return summary
+
+
+def generation_model(target: Target, dtype_name: str) -> torch.nn.Module:
+    """The target in the generation dtype: a copy when it differs (bf16 decodes ~3x faster on CPU)."""
+    dtype = DTYPES[dtype_name]
+    if next(target.model.parameters()).dtype == dtype:
+        return target.model
+    return copy.deepcopy(target.model).to(dtype)
+
+
+def run(cfg: RunConfig, target) -> dict:
+    """Build (or find complete) the prepared data under the data dir; returns the summary."""
+    data_dir = data_dir_of(cfg)
+    want = fingerprint(cfg)
+    done = _completed_summary(data_dir, want)
+    if done is not None:
+        log.info("prepare: %s is complete (%d samples); skipping", data_dir, done["samples"])
+        return done
+    timings: dict[str, float] = {}
+    t0 = time.time()
+    tgt: Target = target.get()
+    chat = ChatFormat(tgt.tokenizer)
+    cache = ConversationCache(data_dir / "cache")
+    timings["load_target_s"] = time.time() - t0
+
+    t0 = time.time()
+    generator = LocalGenerator(generation_model(tgt, cfg.data.generation.dtype), tgt.tokenizer.pad_token_id,
+                               chat.stop_token_ids(), cfg.data.synth.batch_size, num_tokens=len(tgt.tokenizer))
+    conversations, gen_rejects = synthesize(generator, chat, cfg.data.synth, cfg.data.generation, cache,
+                                            cfg.target.name, cfg.seed)
+    total_rows = len(conversations)
+    timings["conversations_s"] = time.time() - t0
+
+    t0 = time.time()
+    samples, tok_rejects = tokenize_conversations(conversations, chat, cfg)
+    timings["tokenize_s"] = time.time() - t0
+
+    t0 = time.time()
+    counts_V = count_tokens(samples["input_ids"], samples["loss_mask"], tgt.vocab_size)
+    vocab = build_draft_vocab(counts_V, cfg.data.draft_vocab_size)
+    timings["vocab_s"] = time.time() - t0
+
+    rejects = RejectLog()
+    rejects.extend(gen_rejects)
+    rejects.extend(tok_rejects)
+    rejects.write(data_dir / "rejects.jsonl")
+    tok_rejects.check_share(total_rows, cfg.data.max_reject_share, data_dir / "rejects.jsonl")
+    _save_samples(samples, data_dir / "samples")
+    vocab.save(data_dir / "vocab.safetensors")
+    summary = _summary(cfg, want, samples, vocab, rejects, total_rows, timings)
+    write_json(data_dir / "summary.json", summary)
+    log.info("prepare: %d samples, %d loss tokens, draft vocab %d covers %.1f%%; wrote %s",
+             summary["samples"], summary["loss_tokens"], vocab.size, 100 * vocab.coverage, data_dir)
+    return summary
+
+
+def _tokenize_row(row: dict, chat: ChatFormat, max_length: int, overlong: str, last_turn_only: bool) -> dict:
+    try:
+        out = chat.tokenize(json.loads(row["messages"]), max_length, overlong, last_turn_only)
+    except RowError as err:
+        return {"input_ids": [], "loss_mask": [], "truncated": False,
+                "reject": json.dumps({"reason": err.reason, "detail": err.detail})}
+    return {"input_ids": out.input_ids, "loss_mask": out.loss_mask, "truncated": out.truncated, "reject": ""}
+
+
+def tokenize_conversations(conversations: list[dict], chat: ChatFormat,
+                           cfg: RunConfig) -> tuple[datasets.Dataset, RejectLog]:
+    """Tokenize {messages, provenance} rows with `datasets.map` (num_proc); rejected rows are split off."""
+    rows = datasets.Dataset.from_dict({
+        "messages": [json.dumps(c["messages"], ensure_ascii=False) for c in conversations],
+        "provenance": [json.dumps(c["provenance"], ensure_ascii=False) for c in conversations],
+    })
+    features = datasets.Features({**SAMPLE_FEATURES, "truncated": datasets.Value("bool"),
+                                  "reject": datasets.Value("string")})
+    data = cfg.data
+    mapped = rows.map(_tokenize_row, features=features, num_proc=data.num_proc if len(rows) > 1 else None,
+                      fn_kwargs={"chat": chat, "max_length": data.max_length, "overlong": data.overlong,
+                                 "last_turn_only": data.last_turn_only},
+                      desc="tokenize", load_from_cache_file=False)
+    rejects = RejectLog()
+    for i, (reject, provenance) in enumerate(zip(mapped["reject"], mapped["provenance"])):
+        if reject:
+            info, origin = json.loads(reject), json.loads(provenance)
+            rejects.add(origin.get("source", "?"), origin.get("row", i), RowError(info["reason"], info["detail"]))
+    kept = mapped.filter(lambda r: r == "", input_columns="reject", desc="drop rejects")
+    log.info("tokenized %d conversations: %d samples, %d truncated, %d rejected", len(rows), len(kept),
+             sum(kept["truncated"]), len(rejects))
+    return kept.remove_columns("reject"), rejects
+
+
+def _save_samples(samples: datasets.Dataset, out: Path) -> None:
+    """save_to_disk into a temp dir beside `out`, then swap it in (readers never see a partial dir)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    try:
+        samples.remove_columns("truncated").save_to_disk(str(tmp / "ds"))
+        if out.exists():
+            old = out.with_name(f".{out.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out, old)
+            shutil.rmtree(old)
+        os.replace(tmp / "ds", out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _summary(cfg: RunConfig, want: str, samples: datasets.Dataset, vocab: DraftVocab, rejects: RejectLog,
+             total_rows: int, timings: dict[str, float]) -> dict:
+    lengths = [len(ids) for ids in samples["input_ids"]]
+    return {
+        "fingerprint": want,
+        "source": cfg.data.source,
+        "target": cfg.target.name,
+        "conversations": total_rows,
+        "samples": len(samples),
+        "tokens": sum(lengths),
+        "loss_tokens": int(vocab.counts_V.sum()),
+        "max_len": max(lengths, default=0),
+        "truncated": int(sum(samples["truncated"])),
+        "rejects": len(rejects),
+        "rejects_by_reason": rejects.by_reason(),
+        "draft_vocab_size": vocab.size,
+        "distinct_loss_tokens": int((vocab.counts_V > 0).sum()),
+        "coverage": round(vocab.coverage, 6),
+        "timings_s": {k: round(v, 2) for k, v in timings.items()},
+    }

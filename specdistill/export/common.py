@@ -1,0 +1,328 @@
+"""What every engine layout shares: validation against the head config, dtype casting, the config
+fields every loader reads, key renaming, and the atomic write of one export directory.
+
+Layer-id conventions: our `aux_layer_ids` are decoder-layer OUTPUT ids (1, L//2-1, L-4); SGLang and
+TensorRT-LLM count the same way; vLLM and speculators count the INPUT of a layer (2, L//2, L-3).
+Every layout writes both: `eagle_config.eagle_aux_hidden_state_layer_ids` (output, read by SGLang)
+and top-level `eagle_aux_hidden_state_layer_ids` (input, read by vLLM and speculators).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specdistill.heads.eagle3 import Eagle3Config
+from specdistill.heads.layers import HeadArch
+from specdistill.io import atomic_dir, save_tensors, write_json
+
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+BLOCK_KEYS = (
+    "input_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
+EAGLE3_KEYS = (
+    "embed_tokens.weight",
+    "fc.weight",
+    *(f"midlayer.{k}" for k in BLOCK_KEYS),
+    "midlayer.hidden_norm.weight",
+    "norm.weight",
+    "lm_head.weight",
+    "d2t",
+    "t2d",
+)
+
+
+MTP_KEYS = (
+    "embed_tokens.weight",
+    "enorm.weight",
+    "hnorm.weight",
+    "eh_proj.weight",
+    *(f"layers.0.{k}" for k in BLOCK_KEYS),
+    "norm.weight",
+    "lm_head.weight",
+)
+"""State-dict keys of one MTP module (what the MTP head's `trainable_state_dict` holds per module).
+
+`embed_tokens` [V, H] frozen copy of the target's; `enorm`, `hnorm` [H] RMSNorms of the embedding of
+token t+k and of the previous hidden state; `eh_proj` [H, 2H] over cat(enorm(emb), hnorm(hidden));
+`layers.0.*` one Llama decoder block (q/k/v read H); `norm` [H] final norm; `lm_head` [V, H] over the
+full target vocabulary. A head with k separate modules passes a list of k such dicts.
+"""
+
+
+class ExportError(ValueError):
+    """A head or an exported directory does not match a loader's contract; the message names the key."""
+
+
+@dataclass(frozen=True)
+class MTPDims:
+    """What an MTP layout needs to know beyond the tensors: the block, the vocab, the target depth."""
+
+    arch: HeadArch
+    vocab_size: int
+    target_num_layers: int
+
+
+@dataclass
+class Converted:
+    """One layout, ready to write: tensors under the engine's names and its config.json."""
+
+    tensors: dict[str, torch.Tensor]
+    config: dict
+    weights_file: str = WEIGHTS_FILE
+    extra_json: dict[str, dict] = field(default_factory=dict)
+
+
+def block_shapes(arch: HeadArch, in_dim: int) -> dict[str, tuple[int, ...]]:
+    """One Llama decoder block whose q/k/v read `in_dim` features."""
+    d, e = arch.hidden_size, arch.head_dim
+    return {
+        "input_layernorm.weight": (d,),
+        "self_attn.q_proj.weight": (arch.num_attention_heads * e, in_dim),
+        "self_attn.k_proj.weight": (arch.num_key_value_heads * e, in_dim),
+        "self_attn.v_proj.weight": (arch.num_key_value_heads * e, in_dim),
+        "self_attn.o_proj.weight": (d, arch.num_attention_heads * e),
+        "post_attention_layernorm.weight": (d,),
+        "mlp.gate_proj.weight": (arch.intermediate_size, d),
+        "mlp.up_proj.weight": (arch.intermediate_size, d),
+        "mlp.down_proj.weight": (d, arch.intermediate_size),
+    }
+
+
+def eagle3_shapes(config: Eagle3Config) -> dict[str, tuple[int, ...]]:
+    """Shape of every EAGLE-3 tensor, under our (SGLang) key names."""
+    d = config.arch.hidden_size
+    shapes = {
+        "embed_tokens.weight": (config.vocab_size, d),
+        "fc.weight": (d, len(config.aux_layer_ids) * config.target_hidden_size),
+        **{f"midlayer.{k}": s for k, s in block_shapes(config.arch, 2 * d).items()},
+        "midlayer.hidden_norm.weight": (d,),
+        "norm.weight": (d,),
+        "lm_head.weight": (config.draft_vocab_size, d),
+        "d2t": (config.draft_vocab_size,),
+        "t2d": (config.vocab_size,),
+    }
+    assert set(shapes) == set(EAGLE3_KEYS)
+    return shapes
+
+
+def mtp_shapes(dims: MTPDims) -> dict[str, tuple[int, ...]]:
+    """Shape of every tensor of one MTP module, under `MTP_KEYS`."""
+    d = dims.arch.hidden_size
+    return {
+        "embed_tokens.weight": (dims.vocab_size, d),
+        "enorm.weight": (d,),
+        "hnorm.weight": (d,),
+        "eh_proj.weight": (d, 2 * d),
+        **{f"layers.0.{k}": s for k, s in block_shapes(dims.arch, d).items()},
+        "norm.weight": (d,),
+        "lm_head.weight": (dims.vocab_size, d),
+    }
+
+
+def check_mtp(modules: Sequence[Mapping[str, torch.Tensor]], dims: MTPDims, where: str) -> None:
+    if not modules:
+        raise ExportError(f"{where}: no MTP module given; expected a list of one state dict per module")
+    for i, state in enumerate(modules):
+        check_tensors(state, mtp_shapes(dims), f"{where}, module {i}")
+
+
+def check_tensors(state: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]], where: str) -> None:
+    """Exact key set, shapes, and kinds: floating weights, integer `d2t`, bool `t2d`."""
+    missing = sorted(set(shapes) - set(state))
+    unexpected = sorted(set(state) - set(shapes))
+    if missing or unexpected:
+        raise ExportError(f"{where}: missing keys {missing}, unexpected keys {unexpected}")
+    for key, shape in shapes.items():
+        t = state[key]
+        if tuple(t.shape) != tuple(shape):
+            raise ExportError(f"{where}: `{key}` has shape {list(t.shape)}, expected {list(shape)}")
+        if key == "t2d" and t.dtype != torch.bool:
+            raise ExportError(f"{where}: `t2d` has dtype {t.dtype}, expected torch.bool")
+        if key == "d2t" and (t.dtype.is_floating_point or t.dtype == torch.bool):
+            raise ExportError(f"{where}: `d2t` has dtype {t.dtype}, expected an integer dtype")
+        if key not in ("d2t", "t2d") and not t.dtype.is_floating_point:
+            raise ExportError(f"{where}: `{key}` has dtype {t.dtype}, expected a floating dtype")
+        if t.device.type != "cpu":
+            raise ExportError(f"{where}: `{key}` is on {t.device}, expected a CPU tensor")
+
+
+def check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor | None, vocab_size: int, where: str) -> None:
+    """`d2t[i] = target_id - i` must name distinct target ids in range, and agree with `t2d`."""
+    target_ids = torch.arange(len(d2t)) + d2t.long()
+    if len(d2t) and (target_ids.min() < 0 or target_ids.max() >= vocab_size):
+        raise ExportError(f"{where}: `d2t` maps draft ids outside the target vocabulary [0, {vocab_size})")
+    if target_ids.unique().numel() != len(d2t):
+        raise ExportError(f"{where}: `d2t` maps two draft ids to the same target id")
+    if t2d is not None and (int(t2d.sum()) != len(d2t) or not bool(t2d[target_ids].all())):
+        raise ExportError(f"{where}: `t2d` does not mark exactly the target ids named by `d2t`")
+
+
+def check_eagle3(state: Mapping[str, torch.Tensor], config: Eagle3Config, where: str, num_aux: int | None) -> None:
+    """Everything an EAGLE-3 writer checks before it writes: keys, shapes, dtypes, vocab map, layer ids."""
+    check_tensors(state, eagle3_shapes(config), where)
+    check_vocab_map(state["d2t"], state["t2d"], config.vocab_size, where)
+    ids, num_layers = list(config.aux_layer_ids), config.target_num_layers
+    if num_aux is not None and len(ids) != num_aux:
+        raise ExportError(f"{where}: head config `aux_layer_ids` = {ids}; this engine's loader reads exactly "
+                          f"{num_aux} captured layers (its fc input is {num_aux} x target_hidden_size)")
+    if any(not 0 <= i < num_layers for i in ids) or len(set(ids)) != len(ids):
+        raise ExportError(f"{where}: head config `aux_layer_ids` = {ids}, expected distinct layer outputs "
+                          f"in [0, {num_layers}) (target_num_layers = {num_layers})")
+
+
+def check_target_dims(target_config: Mapping, expected: Mapping[str, int], where: str) -> None:
+    """The head fits the target it will be served with: each `expected` field equals the target's."""
+    for name, value in expected.items():
+        if target_config.get(name) != value:
+            raise ExportError(f"{where}: target config `{name}` = {target_config.get(name)}, "
+                              f"but the head was built for {value}")
+
+
+def eagle3_target_dims(config: Eagle3Config) -> dict[str, int]:
+    return {"vocab_size": config.vocab_size, "hidden_size": config.target_hidden_size,
+            "num_hidden_layers": config.target_num_layers}
+
+
+def mtp_target_dims(dims: MTPDims) -> dict[str, int]:
+    return {"vocab_size": dims.vocab_size, "hidden_size": dims.arch.hidden_size,
+            "num_hidden_layers": dims.target_num_layers}
+
+
+def cast(state: Mapping[str, torch.Tensor], dtype: str, d2t_dtype: torch.dtype = torch.int64) -> dict[str, torch.Tensor]:
+    """Floating tensors to `dtype`; `d2t` to the engine's integer dtype; `t2d` stays bool."""
+    if dtype not in DTYPES:
+        raise ExportError(f"export dtype {dtype!r}: expected one of {list(DTYPES)}")
+    out = {}
+    for key, t in state.items():
+        if key == "d2t" or key.endswith(".d2t"):
+            out[key] = t.to(d2t_dtype)
+        elif t.dtype.is_floating_point:
+            out[key] = t.to(DTYPES[dtype])
+        else:
+            out[key] = t
+    return out
+
+
+def rename(state: Mapping[str, torch.Tensor], key_map: Mapping[str, str | None]) -> dict[str, torch.Tensor]:
+    """Our key -> the engine's key; a key mapped to None is deliberately not written."""
+    return {key_map[k]: v for k, v in state.items() if key_map[k] is not None}
+
+
+def rope_fields(rope_parameters: Mapping) -> dict:
+    """RoPE in the new (`rope_parameters`) and old (`rope_theta` + `rope_scaling`) spellings."""
+    rope = dict(rope_parameters)
+    if "rope_theta" not in rope or "rope_type" not in rope:
+        raise ExportError(f"head config `arch.rope_parameters` = {rope}: expected `rope_type` and `rope_theta`")
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return {
+        "rope_parameters": rope,
+        "rope_theta": rope["rope_theta"],
+        "rope_scaling": None if rope["rope_type"] == "default" else scaling,
+    }
+
+
+def rope_from_config(config: Mapping) -> dict:
+    """Inverse of `rope_fields`: the new spelling, rebuilt from the old one if that is all there is."""
+    if config.get("rope_parameters"):
+        return dict(config["rope_parameters"])
+    scaling = dict(config.get("rope_scaling") or {"rope_type": "default"})
+    scaling.setdefault("rope_type", scaling.pop("type", "default"))
+    return {**scaling, "rope_theta": float(config.get("rope_theta", 10000.0))}
+
+
+def layer_id_fields(config: Eagle3Config) -> dict:
+    """Captured layers in both conventions (see the module docstring)."""
+    output_ids = [int(i) for i in config.aux_layer_ids]
+    return {
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in output_ids],
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": output_ids, "use_aux_hidden_state": True},
+    }
+
+
+def llama_fields(arch: HeadArch, vocab_size: int) -> dict:
+    """The HF Llama config of the draft's decoder block (what `LlamaConfig(**fields)` rebuilds)."""
+    return {
+        "model_type": "llama",
+        "hidden_size": arch.hidden_size,
+        "intermediate_size": arch.intermediate_size,
+        "num_attention_heads": arch.num_attention_heads,
+        "num_key_value_heads": arch.num_key_value_heads,
+        "head_dim": arch.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": arch.rms_norm_eps,
+        "max_position_embeddings": arch.max_position_embeddings,
+        "vocab_size": vocab_size,
+        "attention_bias": False,
+        "mlp_bias": False,
+        **rope_fields(arch.rope_parameters),
+    }
+
+
+def eagle3_fields(config: Eagle3Config, dtype: str) -> dict:
+    """Fields every EAGLE-3 layout writes: one draft layer, untied pruned lm_head, target dims, both id styles.
+
+    `num_hidden_layers: 1` sizes the draft's layer stack; `tie_word_embeddings: false` stops SGLang from
+    replacing `lm_head` with the embedding; `draft_vocab_size` sizes `lm_head` (a missing one makes the
+    engines take the target's full lm_head); `target_hidden_size` sizes `fc`; `bias: false` is the `fc` bias
+    flag SGLang and TensorRT-LLM read; `target_num_hidden_layers` lets our reader rebuild the head config.
+    """
+    return {
+        "architectures": [EAGLE3_ARCHITECTURE],
+        **llama_fields(config.arch, config.vocab_size),
+        "num_hidden_layers": 1,
+        "tie_word_embeddings": False,
+        "bias": False,
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.target_hidden_size,
+        "target_num_hidden_layers": config.target_num_layers,
+        **layer_id_fields(config),
+        "torch_dtype": dtype,
+        "dtype": dtype,
+    }
+
+
+def stitched_index(target_index: Mapping, weights_file: str, keys: Sequence[str]) -> dict:
+    """A copy of the target's `model.safetensors.index.json` with the MTP keys pointing at `weights_file`."""
+    weight_map = dict(target_index.get("weight_map") or {})
+    if not weight_map:
+        raise ExportError("target checkpoint index: no `weight_map`; expected a model.safetensors.index.json")
+    clash = sorted(set(keys) & set(weight_map))
+    if clash:
+        raise ExportError(f"target checkpoint index already holds MTP keys {clash[:4]}; refusing to overwrite them")
+    return {**target_index, "weight_map": weight_map | dict.fromkeys(keys, weights_file)}
+
+
+def write_export(out_dir: str | Path, converted: Converted) -> Path:
+    """Write the weights file + `config.json` (+ any extra json files) into `out_dir`, all or nothing."""
+    out_dir = Path(out_dir)
+    with atomic_dir(out_dir) as tmp:
+        save_tensors(tmp / converted.weights_file, converted.tensors, metadata={"format": "pt"})
+        write_json(tmp / CONFIG_FILE, converted.config)
+        for name, obj in converted.extra_json.items():
+            write_json(tmp / name, obj)
+    return out_dir
+
+
+def read_config(directory: Path) -> dict:
+    path = directory / CONFIG_FILE
+    if not path.exists():
+        raise ExportError(f"{directory}: no {CONFIG_FILE}; expected an exported head directory")
+    return json.loads(path.read_text())

@@ -1,0 +1,130 @@
+"""Building blocks shared by the heads: norm, rotary embedding, MLP and one attention module.
+
+Shapes: B batch, T tokens, D hidden, N heads, K kv heads, E head dim, S cached keys, Q queries.
+
+Attention has one projection path and two cores: `ttt_attention` for training (step-0 keys causal,
+plus each position's own keys from later steps) and `cached_attention` for drafting (a KV cache
+with an explicit mask). Both see the same q/k/v, so training and inference cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+
+@dataclass
+class HeadArch:
+    """Dimensions of a draft head's decoder block (Llama-style)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 8192
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+
+    def llama_config(self) -> LlamaConfig:
+        return LlamaConfig(
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings, rope_parameters=dict(self.rope_parameters),
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inner: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inner, bias=False)
+        self.up_proj = nn.Linear(hidden, inner, bias=False)
+        self.down_proj = nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Rotary(nn.Module):
+    """RoPE with the target's exact parameters (transformers' implementation, all rope types)."""
+
+    def __init__(self, arch: HeadArch):
+        super().__init__()
+        self.inner = LlamaRotaryEmbedding(arch.llama_config())
+
+    def forward(self, x: torch.Tensor, position_ids_BT: torch.Tensor):
+        return self.inner(x, position_ids_BT)
+
+
+def ttt_attention(q_BNTE, keys, values, mask0_BTT) -> torch.Tensor:
+    """Training-time-test attention for step j = len(keys) - 1.
+
+    keys[0]/values[0] are step-0 entries, attended causally under `mask0_BTT` (True = attend);
+    keys[i] for i >= 1 are the step-i entries, each attended only at the query's own position.
+    """
+    scale = q_BNTE.shape[-1] ** -0.5
+    s0_BNTT = torch.matmul(q_BNTE, keys[0].transpose(-1, -2)) * scale
+    s0_BNTT = s0_BNTT.masked_fill(~mask0_BTT[:, None], torch.finfo(s0_BNTT.dtype).min)
+    if len(keys) == 1:
+        return torch.matmul(torch.softmax(s0_BNTT, -1, dtype=torch.float32).to(q_BNTE.dtype), values[0])
+    diag_BNTJ = torch.stack([(q_BNTE * k).sum(-1) for k in keys[1:]], dim=-1) * scale
+    probs = torch.softmax(torch.cat([s0_BNTT, diag_BNTJ], dim=-1), -1, dtype=torch.float32).to(q_BNTE.dtype)
+    T = s0_BNTT.shape[-1]
+    out = torch.matmul(probs[..., :T], values[0])
+    v_BNTJE = torch.stack(values[1:], dim=3)
+    return out + (probs[..., T:, None] * v_BNTJE).sum(dim=3)
+
+
+def cached_attention(q_BNQE, k_BNSE, v_BNSE, mask_BQS) -> torch.Tensor:
+    """Drafting attention over a KV cache (committed prefix + tree nodes) with an explicit mask."""
+    return F.scaled_dot_product_attention(q_BNQE, k_BNSE, v_BNSE, attn_mask=mask_BQS[:, None])
+
+
+class Attention(nn.Module):
+    """Llama attention whose q/k/v read an input of `in_dim` (2H for EAGLE-3's cat(emb, hidden))."""
+
+    def __init__(self, arch: HeadArch, in_dim: int):
+        super().__init__()
+        self.arch = arch
+        n, k, e = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+        self.q_proj = nn.Linear(in_dim, n * e, bias=False)
+        self.k_proj = nn.Linear(in_dim, k * e, bias=False)
+        self.v_proj = nn.Linear(in_dim, k * e, bias=False)
+        self.o_proj = nn.Linear(n * e, arch.hidden_size, bias=False)
+
+    def project(self, x_BTI, cos_sin):
+        """q [B, N, T, E] and k, v [B, K, T, E], with RoPE applied to q and k."""
+        B, T, _ = x_BTI.shape
+        e = self.arch.head_dim
+        q = self.q_proj(x_BTI).view(B, T, -1, e).transpose(1, 2)
+        k = self.k_proj(x_BTI).view(B, T, -1, e).transpose(1, 2)
+        v = self.v_proj(x_BTI).view(B, T, -1, e).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, *cos_sin)
+        return q, k, v
+
+    def expand_kv(self, x_BKTE: torch.Tensor) -> torch.Tensor:
+        rep = self.arch.num_attention_heads // self.arch.num_key_value_heads
+        return x_BKTE.repeat_interleave(rep, dim=1) if rep > 1 else x_BKTE
+
+    def output(self, o_BNTE: torch.Tensor) -> torch.Tensor:
+        B, _, T, _ = o_BNTE.shape
+        return self.o_proj(o_BNTE.transpose(1, 2).reshape(B, T, -1))

@@ -1,0 +1,74 @@
+"""Run the chosen stages in order, sharing one loaded target between them.
+
+Each stage is `run(cfg, target) -> dict` in its own module; it reads only the artifacts of earlier
+stages from the run directory, so any stage can be re-run alone (`stages=[evaluate]`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import logging
+import time
+
+from omegaconf import OmegaConf
+
+from specdistill.config import RunConfig
+from specdistill.io import write_json
+from specdistill.target import Target, check_capture_layers, load_target, resolve_source
+
+log = logging.getLogger(__name__)
+
+STAGE_ENTRIES = {
+    "prepare": "specdistill.data.prepare",
+    "capture": "specdistill.capture.run",
+    "train": "specdistill.train.trainer",
+    "evaluate": "specdistill.evaluate.run",
+    "export": "specdistill.export.run",
+}
+SECRET_FIELD = re.compile(r"(^|_)(token|api_key|key|secret|password)$", re.IGNORECASE)
+
+
+def scrub_secrets(node):
+    """A copy with every secret-looking field (`hf_token`, `api_key`, ...) blanked."""
+    if isinstance(node, dict):
+        return {k: ("***" if SECRET_FIELD.search(str(k)) and v else scrub_secrets(v)) for k, v in node.items()}
+    if isinstance(node, list):
+        return [scrub_secrets(v) for v in node]
+    return node
+
+
+def redacted(cfg: RunConfig) -> dict:
+    """The config as a plain dict, secrets blanked: what is saved in the run dir and sent to W&B."""
+    return scrub_secrets(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
+
+
+class LazyTarget:
+    """Loads the target on first use, so stages that do not need it (export) start at once."""
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self._target: Target | None = None
+
+    def get(self) -> Target:
+        if self._target is None:
+            t0 = time.time()
+            self._target = load_target(self.cfg.target)
+            log.info("loaded target %s (%d layers, capture %s) in %.1fs", self._target.name,
+                     self._target.config.num_hidden_layers, self._target.layer_ids, time.time() - t0)
+        return self._target
+
+
+def run_stages(cfg: RunConfig) -> dict[str, dict]:
+    check_capture_layers(cfg.target, resolve_source(cfg.target))  # fail before any work
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    write_json(cfg.run_dir / "config.json", redacted(cfg))
+    target = LazyTarget(cfg)
+    results = {}
+    for stage in cfg.stages:
+        t0 = time.time()
+        log.info("stage %s: start", stage)
+        results[stage] = importlib.import_module(STAGE_ENTRIES[stage]).run(cfg, target) or {}
+        results[stage]["seconds"] = round(time.time() - t0, 1)
+        log.info("stage %s: done in %.1fs", stage, time.time() - t0)
+    return results

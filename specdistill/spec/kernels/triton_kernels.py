@@ -1,0 +1,273 @@
+"""Triton kernels for the tree: build (mask, packed mask, positions, links), greedy verification,
+rejection sampling and KV compaction. Same signatures and results as `reference.py`.
+
+One program per tree row (or per (row, node) / (row, head)); a tree is at most a few hundred nodes,
+so each program holds a whole row of nodes in registers and walks the tree with scalar loads, as a
+serving engine's verifier does. Runs on CUDA tensors, or on CPU under TRITON_INTERPRET=1.
+
+Shape legend: B batch rows, N tree nodes, V vocabulary, S verdict slots, W packed mask words,
+H heads, L cache length, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+NONE = -1
+VOCAB_BLOCK = 1024  # vocabulary columns per step of the rejection sampler's row passes
+
+
+def _block(n: int, at_least: int = 16) -> int:
+    return max(at_least, triton.next_power_of_2(n))
+
+
+@triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
+def _build_tree_kernel(
+    parents_ptr, depths_ptr, prefix_ptr, mask_ptr, packed_ptr, positions_ptr, index_ptr, next_token_ptr,
+    next_sibling_ptr, N, W, BLOCK_N: tl.constexpr,
+):
+    b = tl.program_id(0)
+    i = tl.program_id(1)
+    row = b * N
+    offs = tl.arange(0, BLOCK_N)
+    in_tree = offs < N
+    parents = tl.load(parents_ptr + row + offs, mask=in_tree, other=-2)
+
+    ancestors = offs == i
+    cur = tl.load(parents_ptr + row + i)
+    while cur >= 0:
+        ancestors = ancestors | (offs == cur)
+        cur = tl.load(parents_ptr + row + cur)
+    tl.store(mask_ptr + (row + i) * N + offs, ancestors, mask=in_tree)
+
+    one = tl.full((BLOCK_N,), 1, tl.int32)
+    bits = tl.where(ancestors, one << (offs % 32).to(tl.int32), 0)
+    words = tl.reduce(tl.reshape(bits, (BLOCK_N // 32, 32)), 1, _bit_or)
+    word_offs = tl.arange(0, BLOCK_N // 32)
+    tl.store(packed_ptr + (row + i) * W + word_offs, words, mask=word_offs < W)
+
+    tl.store(positions_ptr + row + i, tl.load(prefix_ptr + b) + tl.load(depths_ptr + row + i))
+    tl.store(index_ptr + row + i, (row + i).to(tl.int64))
+
+    first_child = tl.min(tl.where(parents == i, offs, N), axis=0)
+    tl.store(next_token_ptr + row + i, tl.where(first_child == N, NONE, first_child).to(tl.int64))
+    my_parent = tl.load(parents_ptr + row + i)
+    later_sibling = (parents == my_parent) & (offs > i) & (my_parent >= 0)
+    sibling = tl.min(tl.where(later_sibling, offs, N), axis=0)
+    tl.store(next_sibling_ptr + row + i, tl.where(sibling == N, NONE, sibling).to(tl.int64))
+
+
+def build_tree_tensors(
+    parents_BN: Tensor, depths_BN: Tensor, prefix_len_B: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    B, N = parents_BN.shape
+    W = (N + 31) // 32
+    device = parents_BN.device
+    parents_BN = parents_BN.contiguous()
+    mask_BNN = torch.empty((B, N, N), dtype=torch.bool, device=device)
+    packed_BNW = torch.empty((B, N, W), dtype=torch.int32, device=device)
+    positions_BN, index_BN, next_token_BN, next_sibling_BN = (
+        torch.empty((B, N), dtype=torch.long, device=device) for _ in range(4)
+    )
+    _build_tree_kernel[(B, N)](
+        parents_BN, depths_BN.contiguous(), prefix_len_B.to(device=device, dtype=torch.long).contiguous(),
+        mask_BNN, packed_BNW, positions_BN, index_BN, next_token_BN, next_sibling_BN, N, W,
+        BLOCK_N=_block(N, at_least=32),
+    )
+    return mask_BNN, packed_BNW, positions_BN, index_BN, next_token_BN, next_sibling_BN
+
+
+@triton.jit
+def _greedy_verify_kernel(
+    tokens_ptr, next_token_ptr, next_sibling_ptr, argmax_ptr, accept_ptr, length_ptr, out_ptr, N, S,
+):
+    b = tl.program_id(0)
+    row = b * N
+    slots = b * S
+    length = tl.zeros((), tl.int64)
+    want = tl.load(argmax_ptr + row)
+    candidate = tl.load(next_token_ptr + row)
+    while (candidate >= 0) & (length < S - 1):
+        token = tl.load(tokens_ptr + row + candidate)
+        if token == want:
+            length += 1
+            tl.store(accept_ptr + slots + length, candidate)
+            tl.store(out_ptr + slots + length - 1, token)
+            want = tl.load(argmax_ptr + row + candidate)
+            candidate = tl.load(next_token_ptr + row + candidate)
+        else:
+            candidate = tl.load(next_sibling_ptr + row + candidate)
+    tl.store(out_ptr + slots + length, want)
+    tl.store(length_ptr + b, length)
+
+
+def _empty_verdict(B: int, num_slots: int, device) -> tuple[Tensor, Tensor, Tensor]:
+    accept_nodes_BS = torch.full((B, num_slots), NONE, dtype=torch.long, device=device)
+    accept_nodes_BS[:, 0] = 0
+    out_tokens_BS = torch.full((B, num_slots), NONE, dtype=torch.long, device=device)
+    return accept_nodes_BS, torch.zeros(B, dtype=torch.long, device=device), out_tokens_BS
+
+
+def greedy_verify(
+    tokens_BN: Tensor, next_token_BN: Tensor, next_sibling_BN: Tensor, target_argmax_BN: Tensor, num_slots: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    B, N = tokens_BN.shape
+    accept_nodes_BS, accept_len_B, out_tokens_BS = _empty_verdict(B, num_slots, tokens_BN.device)
+    _greedy_verify_kernel[(B,)](
+        tokens_BN.contiguous(), next_token_BN.contiguous(), next_sibling_BN.contiguous(),
+        target_argmax_BN.contiguous(), accept_nodes_BS, accept_len_B, out_tokens_BS, N, num_slots,
+    )
+    return accept_nodes_BS, accept_len_B, out_tokens_BS
+
+
+@triton.jit
+def _load_distribution(src_ptr, dst_ptr, V, BLOCK_V: tl.constexpr):
+    for start in range(0, V, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < V, other=0.0).to(tl.float32), mask=offs < V)
+
+
+@triton.jit
+def _rejection_kernel(
+    tokens_ptr, next_token_ptr, next_sibling_ptr, target_ptr, draft_ptr, coins_ptr, final_u_ptr,
+    p_ptr, q_ptr, accept_ptr, length_ptr, out_ptr, N, V, S, HAS_DRAFT: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    b = tl.program_id(0)
+    row = b * N
+    slots = b * S
+    p_row = p_ptr + b * V  # the residual target at the current node
+    q_row = q_ptr + b * V  # the draft distribution the remaining children are drawn from
+    _load_distribution(target_ptr + row * V, p_row, V, BLOCK_V)
+    if HAS_DRAFT:
+        _load_distribution(draft_ptr + row * V, q_row, V, BLOCK_V)
+    tl.debug_barrier()
+    length = tl.zeros((), tl.int64)
+    candidate = tl.load(next_token_ptr + row)
+    while (candidate >= 0) & (length < S - 1):
+        token = tl.load(tokens_ptr + row + candidate)
+        px = tl.load(p_row + token)
+        qx = 1.0
+        if HAS_DRAFT:
+            qx = tl.load(q_row + token)
+        if tl.load(coins_ptr + row + candidate) * qx < px:
+            length += 1
+            tl.store(accept_ptr + slots + length, candidate)
+            tl.store(out_ptr + slots + length - 1, token)
+            tl.debug_barrier()
+            _load_distribution(target_ptr + (row + candidate) * V, p_row, V, BLOCK_V)
+            if HAS_DRAFT:
+                _load_distribution(draft_ptr + (row + candidate) * V, q_row, V, BLOCK_V)
+            tl.debug_barrier()
+            candidate = tl.load(next_token_ptr + row + candidate)
+        else:
+            p_total = 0.0
+            q_total = 0.0
+            for start in range(0, V, BLOCK_V):
+                offs = start + tl.arange(0, BLOCK_V)
+                p = tl.load(p_row + offs, mask=offs < V, other=0.0)
+                if HAS_DRAFT:
+                    q = tl.load(q_row + offs, mask=offs < V, other=0.0)
+                    p_total += tl.sum(tl.maximum(p - q, 0.0), axis=0)
+                    q_total += tl.sum(tl.where(offs == token, 0.0, q), axis=0)
+                else:
+                    p_total += tl.sum(tl.where(offs == token, 0.0, p), axis=0)
+            tl.debug_barrier()
+            for start in range(0, V, BLOCK_V):
+                offs = start + tl.arange(0, BLOCK_V)
+                p = tl.load(p_row + offs, mask=offs < V, other=0.0)
+                if HAS_DRAFT:
+                    q = tl.load(q_row + offs, mask=offs < V, other=0.0)
+                    residual = tl.maximum(p - q, 0.0)
+                    q_rest = tl.where(offs == token, 0.0, q)
+                    if q_total > 0:
+                        tl.store(q_row + offs, q_rest / q_total, mask=offs < V)
+                else:
+                    residual = tl.where(offs == token, 0.0, p)
+                if p_total > 0:
+                    tl.store(p_row + offs, residual / p_total, mask=offs < V)
+            tl.debug_barrier()
+            candidate = tl.load(next_sibling_ptr + row + candidate)
+
+    p_total = 0.0
+    for start in range(0, V, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        p_total += tl.sum(tl.load(p_row + offs, mask=offs < V, other=0.0), axis=0)
+    threshold = tl.load(final_u_ptr + b) * p_total
+    below = tl.zeros((), tl.int64)  # tokens whose cumulative probability is <= threshold
+    running = 0.0
+    for start in range(0, V, BLOCK_V):
+        offs = start + tl.arange(0, BLOCK_V)
+        p = tl.load(p_row + offs, mask=offs < V, other=0.0)
+        cdf = running + tl.cumsum(p, axis=0)
+        below += tl.sum(((cdf <= threshold) & (offs < V)).to(tl.int64), axis=0)
+        running += tl.sum(p, axis=0)
+    tl.store(out_ptr + slots + length, tl.minimum(below, V - 1))
+    tl.store(length_ptr + b, length)
+
+
+def rejection_sample(
+    tokens_BN: Tensor,
+    next_token_BN: Tensor,
+    next_sibling_BN: Tensor,
+    target_probs_BNV: Tensor,
+    draft_probs_BNV: Tensor | None,
+    coins_BN: Tensor,
+    final_u_B: Tensor,
+    num_slots: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    B, N, V = target_probs_BNV.shape
+    device = tokens_BN.device
+    accept_nodes_BS, accept_len_B, out_tokens_BS = _empty_verdict(B, num_slots, device)
+    p_BV = torch.empty((B, V), dtype=torch.float32, device=device)
+    q_BV = torch.empty((B, V), dtype=torch.float32, device=device) if draft_probs_BNV is not None else p_BV
+    target_probs_BNV = target_probs_BNV.contiguous()
+    draft = draft_probs_BNV.contiguous() if draft_probs_BNV is not None else target_probs_BNV
+    _rejection_kernel[(B,)](
+        tokens_BN.contiguous(), next_token_BN.contiguous(), next_sibling_BN.contiguous(), target_probs_BNV,
+        draft, coins_BN.float().contiguous(), final_u_B.float().contiguous(), p_BV, q_BV,
+        accept_nodes_BS, accept_len_B, out_tokens_BS, N, V, num_slots,
+        HAS_DRAFT=draft_probs_BNV is not None, BLOCK_V=min(VOCAB_BLOCK, _block(V)),
+    )
+    return accept_nodes_BS, accept_len_B, out_tokens_BS
+
+
+@triton.jit
+def _compact_kv_kernel(
+    keys_ptr, values_ptr, accept_ptr, tree_start, S, stride_b, stride_h, stride_l, D, BLOCK_D: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    base = b * stride_b + h * stride_h
+    offs = tl.arange(0, BLOCK_D)
+    in_dim = offs < D
+    # Slots in increasing order: slot s reads node >= s and writes s, so no source is overwritten first.
+    for slot in range(0, S):
+        node = tl.load(accept_ptr + b * S + slot)
+        if (node >= 0) & (node != slot):
+            src = base + (tree_start + node) * stride_l + offs
+            dst = base + (tree_start + slot) * stride_l + offs
+            tl.store(keys_ptr + dst, tl.load(keys_ptr + src, mask=in_dim), mask=in_dim)
+            tl.store(values_ptr + dst, tl.load(values_ptr + src, mask=in_dim), mask=in_dim)
+        tl.debug_barrier()
+
+
+def compact_kv(keys_BHLD: Tensor, values_BHLD: Tensor, tree_start: int, accept_nodes_BS: Tensor) -> None:
+    if keys_BHLD.stride() != values_BHLD.stride() or keys_BHLD.stride(-1) != 1:
+        raise ValueError(
+            f"compact_kv (triton): keys and values need equal strides with a contiguous last dim, got "
+            f"{keys_BHLD.stride()} and {values_BHLD.stride()}"
+        )
+    B, H, _, D = keys_BHLD.shape
+    stride_b, stride_h, stride_l, _ = keys_BHLD.stride()
+    _compact_kv_kernel[(B, H)](
+        keys_BHLD, values_BHLD, accept_nodes_BS.contiguous(), tree_start, accept_nodes_BS.shape[1],
+        stride_b, stride_h, stride_l, D, BLOCK_D=_block(D),
+    )

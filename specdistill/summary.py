@@ -1,0 +1,23 @@
+"""The few lines `train.py` prints at the end: what was measured and where everything went."""
+
+from __future__ import annotations
+
+from specdistill.config import RunConfig
+
+
+def print_summary(cfg: RunConfig, results: dict[str, dict]) -> None:
+    lines = [f"specdistill run `{cfg.name}` done: {cfg.run_dir}"]
+    for stage, res in results.items():
+        lines.append(f"  {stage:<9} {res.get('seconds', 0):>7.1f}s")
+    if "train" in results:
+        t = results["train"]
+        lines.append(f"  head: {t['head']} (steps {t['steps']}, step-0 accuracy {t.get('acc0') or 0:.2f})")
+    if "evaluate" in results:
+        e = results["evaluate"]
+        lines.append(f"  tau {e['tau']:.2f}, speedup {e['speedup']:.2f}x vs plain greedy, "
+                     f"lossless mismatches {e['lossless_mismatches']}")
+        lines.append(f"  report: {e['report']}")
+    if "export" in results:
+        for fmt, path in results["export"].get("formats", {}).items():
+            lines.append(f"  export {fmt}: {path}")
+    print("\n".join(lines))

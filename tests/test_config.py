@@ -1,0 +1,95 @@
+"""Config composition, fail-fast validation and the command-line contracts of train.py."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from specdistill.config import ConfigError, register, to_run_config
+from specdistill.pipeline import redacted, scrub_secrets
+from specdistill.target import TargetNotFound, check_capture_layers, resolve_layer_ids
+
+ROOT = Path(__file__).resolve().parents[1]
+register()
+
+
+def compose_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return to_run_config(compose(config_name="config", overrides=list(overrides)))
+
+
+@pytest.mark.parametrize("exp", sorted(p.stem for p in (ROOT / "conf" / "exp").glob("*.yaml")))
+def test_every_experiment_composes(exp):
+    cfg = compose_cfg(f"+exp={exp}")
+    assert cfg.name == exp
+
+
+def test_default_is_the_embedded_target_with_all_stages():
+    cfg = compose_cfg()
+    assert cfg.target.name == "embedded:smollm2-135m-instruct"
+    assert cfg.stages == ["prepare", "capture", "train", "evaluate", "export"]
+    assert cfg.train.ttt_steps == 7 and cfg.train.step_weight == 0.8 and cfg.train.loss == "forward_kl"
+    assert check_capture_layers(cfg.target, "") == (1, 14, 26)
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [("stages=[prepare,bogus]", "stages"), ("train.loss=l2", "train.loss"), ("eval.tree.depth=0", "eval.tree.depth"),
+     ("data.source=jsonl", "data.path"), ("export.formats=[onnx]", "export.formats")],
+)
+def test_config_errors_name_the_field(override, field):
+    with pytest.raises(ConfigError, match=f"`{field}`"):
+        compose_cfg(override)
+
+
+def test_capture_layers_are_checked_against_the_target():
+    assert resolve_layer_ids(32, None) == (1, 15, 28)
+    with pytest.raises(ConfigError, match="out of range"):
+        resolve_layer_ids(30, [1, 14, 30])
+    with pytest.raises(ConfigError, match="set the layers explicitly"):
+        resolve_layer_ids(4, None)
+    assert resolve_layer_ids(4, [0, 1, 2]) == (0, 1, 2)
+    cfg = compose_cfg("+exp=smoke", "target.capture_layers=[1,2,8]")
+    with pytest.raises(ConfigError, match="layer 8 is out of range"):
+        check_capture_layers(cfg.target, "random")
+
+
+def test_secret_fields_are_blanked_and_token_counts_are_not():
+    tree = {"api_key": "sk-1", "server": {"hf_token": "hf_2", "max_new_tokens": 7}, "list": [{"secret": "s"}],
+            "batch_tokens": 3, "key": None}
+    assert scrub_secrets(tree) == {"api_key": "***", "server": {"hf_token": "***", "max_new_tokens": 7},
+                                   "list": [{"secret": "***"}], "batch_tokens": 3, "key": None}
+    assert redacted(compose_cfg())["data"]["generation"]["max_new_tokens"] == 192
+
+
+def run_train(*args, env=None):
+    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+
+
+def test_llama8b_config_prints_without_loading_anything():
+    proc = run_train("+exp=llama8b", "--cfg", "job")
+    assert proc.returncode == 0, proc.stderr
+    for text in ("meta-llama/Llama-3.1-8B-Instruct", "capture_layers:\n  - 1\n  - 15\n  - 28", "deepspeed: zero2",
+                 "mode: online", "dtype: bfloat16", "ultrachat"):
+        assert text in proc.stdout
+
+
+def test_missing_model_fails_at_once_with_one_line(tmp_path):
+    proc = run_train("+exp=llama8b", f"run_root={tmp_path}", env={"HF_HOME": str(tmp_path / "hf")})
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() + proc.stdout.splitlines() if "meta-llama/Llama-3.1-8B-Instruct" in ln]
+    assert len(lines) == 1 and "not on this machine" in lines[0]
+    assert not (tmp_path / "llama8b" / "data").exists()
+
+
+def test_target_not_found_is_raised_for_an_unknown_dir():
+    from specdistill.config import TargetConfig
+    from specdistill.target import resolve_source
+
+    with pytest.raises(TargetNotFound, match="no-such-org/no-such-model"):
+        resolve_source(TargetConfig(name="no-such-org/no-such-model"))

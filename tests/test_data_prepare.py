@@ -1,0 +1,106 @@
+"""The prepare stage on the smoke target: output layout, dtypes, masks, vocab, resume and skip."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from specdistill.config import register, to_run_config
+from specdistill.data.prepare import load_prepared, run
+from specdistill.pipeline import LazyTarget
+
+CONF = str(Path(__file__).resolve().parents[1] / "conf")
+
+
+def smoke_cfg(out, *overrides):
+    register()
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        dict_cfg = compose("config", overrides=["+exp=smoke", f"out={out}", "data.synth.num_conversations=8",
+                                                "data.synth.batch_size=8", *overrides])
+    return to_run_config(dict_cfg)
+
+
+class NoTarget:
+    def get(self):
+        raise AssertionError("the target must not be loaded")
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    out = tmp_path_factory.mktemp("data")
+    cfg = smoke_cfg(out)
+    target = LazyTarget(cfg)
+    summary = run(cfg, target)
+    return cfg, out, summary, target.get()
+
+
+def test_layout_and_dtypes(prepared):
+    _, out, summary, _ = prepared
+    for name in ("samples", "vocab.safetensors", "summary.json", "rejects.jsonl", "cache"):
+        assert (out / name).exists(), name
+    data = load_prepared(out)
+    feats = data.samples.features
+    assert feats["input_ids"].feature.dtype == "int32" and feats["loss_mask"].feature.dtype == "uint8"
+    assert len(data.samples) == summary["samples"] == 8
+    assert json.loads((out / "summary.json").read_text())["coverage"] == pytest.approx(data.vocab.coverage)
+
+
+def test_conversations_are_unique_and_masks_cover_the_answer(prepared):
+    cfg, out, _, target = prepared
+    tok = target.tokenizer
+    data = load_prepared(out)
+    questions = [json.loads(m)[0]["content"] for m in data.samples["messages"]]
+    assert len(set(questions)) == len(questions)
+    for row in data.samples:
+        messages = json.loads(row["messages"])
+        assert [m["role"] for m in messages] == ["user", "assistant"]
+        ids, mask = row["input_ids"], row["loss_mask"]
+        masked = [i for i, m in zip(ids, mask) if m]
+        assert masked[-1] == tok.convert_tokens_to_ids("<|im_end|>")  # the end-of-turn token is trained
+        assert tok.decode(masked[:-1]) == tok.decode(tok.encode(messages[1]["content"], add_special_tokens=False))
+        provenance = json.loads(row["provenance"])
+        assert provenance["source"] == "synth" and provenance["target"] == cfg.target.name
+        assert provenance["answer_sampling"]["temperature"] == 0.0
+
+
+def test_vocab_counts_match_the_samples(prepared):
+    cfg, out, _, target = prepared
+    data = load_prepared(out)
+    assert data.vocab.size == cfg.data.draft_vocab_size
+    assert data.vocab.t2d_V.numel() == target.vocab_size
+    total = sum(sum(m) for m in data.samples["loss_mask"])
+    assert int(data.vocab.counts_V.sum()) == total
+    ids = data.vocab.target_ids_N
+    assert torch.all(ids[1:] > ids[:-1]) and data.vocab.t2d_V[ids].all()
+
+
+def test_complete_data_is_skipped_without_loading_the_target(prepared):
+    cfg, out, summary, _ = prepared
+    assert run(cfg, NoTarget()) == summary
+
+
+def test_resume_from_the_cache_generates_nothing_again(prepared, tmp_path):
+    cfg, out, _, target = prepared
+    copy = tmp_path / "data"
+    shutil.copytree(out / "cache", copy / "cache")
+
+    class NoGeneration:
+        def get(self):
+            model = target.model
+
+            def refuse(*args, **kwargs):
+                raise AssertionError("nothing may be generated again")
+
+            model.forward, saved = refuse, model.forward
+            NoGeneration.restore = lambda: setattr(model, "forward", saved)
+            return target
+
+    cfg2 = smoke_cfg(copy, "target.dtype=float32", "data.generation.dtype=float32")
+    try:
+        run(cfg2, NoGeneration())
+    finally:
+        NoGeneration.restore()
+    assert load_prepared(copy).samples["messages"] == load_prepared(out).samples["messages"]

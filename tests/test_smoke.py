@@ -1,0 +1,70 @@
+"""`python train.py +exp=smoke`: every stage end to end on a tiny random target, checked against the contracts."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+REPORT_KEYS = {"tau", "accept_per_depth", "new_tokens", "target_forwards", "wall_s", "baseline_wall_s", "speedup",
+               "lossless_mismatches", "tree", "temperature", "num_prompts", "bench"}
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    env = {**os.environ, "WANDB_API_KEY": "secret-key-never-written", "HF_HUB_OFFLINE": "1"}
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "train.py", "+exp=smoke", f"run_root={root}", "wandb.mode=offline"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return root / "smoke", proc, time.time() - t0
+
+
+def test_run_directory_and_report_contract(smoke_run):
+    run_dir, proc, seconds = smoke_run
+    for sub in ("data", "features", "ckpt", "eval", "export"):
+        assert (run_dir / sub).is_dir(), sub
+    report = json.loads((run_dir / "eval" / "report.json").read_text())
+    assert REPORT_KEYS <= report.keys()
+    assert report["lossless_mismatches"] == 0
+    assert report["tau"] >= 1.0 and len(report["accept_per_depth"]) == report["tree"]["depth"]
+    rows = [json.loads(line) for line in (run_dir / "eval" / "outputs.jsonl").read_text().splitlines()]
+    assert len(rows) == report["num_prompts"] == 2
+    assert all({"prompt", "prompt_ids", "output_ids"} <= r.keys() and r["output_ids"] for r in rows)
+    assert (run_dir / "eval" / "acceptance.png").stat().st_size > 0
+
+
+def test_summary_names_tau_speedup_and_paths(smoke_run):
+    run_dir, proc, _ = smoke_run
+    assert "tau" in proc.stdout and "speedup" in proc.stdout
+    assert str(run_dir / "eval" / "report.json") in proc.stdout
+    assert "export sglang" in proc.stdout
+
+
+def test_export_and_checkpoint_are_safetensors(smoke_run):
+    run_dir, _, _ = smoke_run
+    sglang = run_dir / "export" / "sglang"
+    assert (sglang / "config.json").exists() and list(sglang.glob("*.safetensors"))
+    assert (run_dir / "ckpt" / "final" / "head.safetensors").exists()
+    assert (run_dir / "train" / "curves.png").exists()
+
+
+def test_wandb_logs_offline_and_no_secret_is_written(smoke_run):
+    run_dir, proc, _ = smoke_run
+    assert list((run_dir / "wandb").glob("offline-run-*"))
+    assert "secret-key-never-written" not in (run_dir / "config.json").read_text()
+    assert "secret-key-never-written" not in proc.stdout + proc.stderr
+
+
+def test_rerun_resumes_every_stage_without_redoing_work(smoke_run):
+    run_dir, _, first_seconds = smoke_run
+    before = (run_dir / "ckpt" / "final" / "head.safetensors").read_bytes()
+    proc = subprocess.run([sys.executable, "train.py", "+exp=smoke", f"run_root={run_dir.parent}",
+                           "stages=[prepare,capture,train]"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (run_dir / "ckpt" / "final" / "head.safetensors").read_bytes() == before

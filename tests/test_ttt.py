@@ -1,0 +1,115 @@
+"""The Training-Time Test: attention against an explicit-mask reference, gradients, and train/draft agreement."""
+
+import torch
+
+from specdistill.heads.eagle3 import Eagle3Config, Eagle3Head
+from specdistill.heads.layers import HeadArch, ttt_attention
+from specdistill.spec.decode import Drafter
+from specdistill.train.loss import LOSSES
+from specdistill.train.teacher import TeacherTargets
+from specdistill.train.ttt import TTTBatch, causal_mask, unroll_ttt
+
+
+def tiny_head(vocab=96, draft=48, hidden=32, seed=0) -> Eagle3Head:
+    torch.manual_seed(seed)
+    arch = HeadArch(hidden_size=hidden, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    head = Eagle3Head(Eagle3Config(arch=arch, vocab_size=vocab, draft_vocab_size=draft, target_hidden_size=hidden,
+                                   aux_layer_ids=[1, 2, 3], target_num_layers=6))
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    ids = torch.sort(torch.randperm(vocab)[:draft]).values
+    head.d2t.copy_(ids - torch.arange(draft))
+    head.t2d.zero_()
+    head.t2d[ids] = True
+    return head
+
+
+def naive_ttt_attention(q, keys, values, mask0):
+    """Explicit mask over the concatenated keys of all steps: causal on step 0, diagonal on the rest."""
+    T = q.shape[2]
+    eye = torch.eye(T, dtype=torch.bool)
+    mask = torch.cat([mask0] + [eye.expand_as(mask0)] * (len(keys) - 1), dim=-1)
+    scores = q @ torch.cat(keys, 2).transpose(-1, -2) / q.shape[-1] ** 0.5
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    return torch.softmax(scores, -1) @ torch.cat(values, 2)
+
+
+def test_ttt_attention_equals_explicit_mask_and_its_gradients():
+    torch.manual_seed(0)
+    B, N, T, E = 2, 3, 7, 8
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[1, 5:] = False
+    mask0 = causal_mask(valid)
+    for steps in (1, 2, 4):
+        q = torch.randn(B, N, T, E, dtype=torch.float64, requires_grad=True)
+        keys = [torch.randn(B, N, T, E, dtype=torch.float64, requires_grad=True) for _ in range(steps)]
+        values = [torch.randn(B, N, T, E, dtype=torch.float64, requires_grad=True) for _ in range(steps)]
+        fast = ttt_attention(q, keys, values, mask0)
+        slow = naive_ttt_attention(q, keys, values, mask0)
+        rows = valid[:, None, :, None].expand_as(fast)
+        torch.testing.assert_close(fast[rows], slow[rows], atol=1e-5, rtol=1e-5)
+        grads_fast = torch.autograd.grad((fast[rows] ** 2).sum(), [q, *keys, *values])
+        grads_slow = torch.autograd.grad((slow[rows] ** 2).sum(), [q, *keys, *values])
+        for gf, gs in zip(grads_fast, grads_slow):
+            torch.testing.assert_close(gf, gs, atol=1e-5, rtol=1e-5)
+
+
+def random_teacher(B, T, head) -> TeacherTargets:
+    logits = torch.randn(B, T, head.config.draft_vocab_size) * 10
+    logp = torch.log_softmax(logits, -1)
+    draft_arg = logits.argmax(-1)
+    return TeacherTargets(logp, logp.exp() * 0.9, head.draft_to_target(draft_arg), torch.ones(B, T, dtype=torch.bool))
+
+
+def random_batch(B, T, head, seed=1) -> TTTBatch:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, head.config.vocab_size, (B, T), generator=g)
+    aux = torch.randn(B, T, 3 * head.config.target_hidden_size, generator=g)
+    return TTTBatch(ids, torch.ones(B, T, dtype=torch.long), torch.ones(B, T, dtype=torch.bool), aux)
+
+
+def test_unroll_learns_a_fixed_batch_for_every_loss():
+    for loss in LOSSES:
+        head = tiny_head()
+        batch, teacher = random_batch(2, 12, head), None
+        teacher = random_teacher(2, 12, head)
+        opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-2)
+        first = None
+        for _ in range(60):
+            r = unroll_ttt(head, batch, teacher, steps=3, step_weight=0.8, loss_fn=LOSSES[loss])
+            opt.zero_grad()
+            r.loss.backward()
+            opt.step()
+            first = first if first is not None else float(r.loss.detach())
+        assert float(r.loss.detach()) < 0.5 * first, (loss, first, float(r.loss.detach()))
+        assert r.step_acc.shape == (3,) and 0 <= r.step_acc.min() and r.step_acc.max() <= 1
+        assert head.embed_tokens.weight.grad is None  # the target embedding stays frozen
+
+
+def test_drafting_reproduces_the_training_unroll():
+    """Chain-drafting along the ground-truth tokens must give the TTT unroll's logits at each step."""
+    head = tiny_head().eval()
+    T, steps = 10, 3
+    batch = random_batch(1, T, head)
+    logits_per_step = []
+
+    def record(fn):
+        def loss_fn(logits, target):
+            logits_per_step.append(logits.detach())
+            return fn(logits, target)
+        return loss_fn
+
+    with torch.no_grad():
+        unroll_ttt(head, batch, random_teacher(1, T, head), steps, 0.8, record(LOSSES["forward_kl"]))
+    ids = batch.input_ids_BT
+    t = 5  # a position with room for `steps` more tokens
+    drafter = Drafter(head, head.config.vocab_size)
+    root_logp = drafter.extend(batch.aux_BTA[:, : t + 1], ids[:, 1 : t + 2], 0)
+    expected = torch.log_softmax(logits_per_step[0][:, t], -1)
+    torch.testing.assert_close(root_logp[..., head.draft_to_target(torch.arange(48))], expected, atol=1e-5, rtol=1e-5)
+    parent = torch.full((1, 1), -1)
+    for j in range(1, steps):
+        logp = drafter.step(ids[:, t + 1 + j : t + 2 + j], parent, depth=j)
+        expected = torch.log_softmax(logits_per_step[j][:, t], -1)
+        torch.testing.assert_close(logp[..., head.draft_to_target(torch.arange(48))][:, 0], expected, atol=1e-5, rtol=1e-5)
+        parent = torch.zeros(1, 1, dtype=torch.long)
