@@ -1,4 +1,4 @@
-"""Capture cost against a plain forward, and store size against the anchors' 8·H-byte (4 states, bf16) layout.
+"""Capture cost against a plain forward, and store size against the anchors' 8·H-byte layout (4 bf16 states).
 
 Capture time is the whole offline stage (data scan, forwards with hooks, bf16 cast, shard writes,
 hashing, manifest); the baseline is the HF causal-LM forward (logits included) over the same padded
@@ -26,11 +26,14 @@ from specdistill.config import CaptureConfig, RunConfig, TargetConfig
 from specdistill.pipeline import LazyTarget
 
 
-def synthetic_samples(cfg: RunConfig, vocab: int, num: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
+def synthetic_samples(
+    cfg: RunConfig, vocab: int, num: int, min_len: int, max_len: int, seed: int
+) -> list[list[int]]:
     rng = random.Random(seed)
     ids = [[rng.randrange(vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(num)]
     datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": [[1] * len(x) for x in ids]}).save_to_disk(
-        str(capture_run.samples_dir(cfg)), num_proc=1)
+        str(capture_run.samples_dir(cfg)), num_proc=1
+    )
     return ids
 
 
@@ -50,8 +53,12 @@ def time_capture(cfg: RunConfig, lazy: LazyTarget, out: Path) -> tuple[float, Fe
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--embedded", action="store_true", help="the embedded SmolLM2-135M target (default: random)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--embedded", action="store_true", help="the embedded SmolLM2-135M target (default: random)"
+    )
     parser.add_argument("--samples", type=int, default=48)
     parser.add_argument("--min-len", type=int, default=64)
     parser.add_argument("--max-len", type=int, default=256)
@@ -63,16 +70,22 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         target_cfg = TargetConfig() if args.embedded else TargetConfig(name="random")
-        cfg = RunConfig(name="bench", run_root=tmp, target=target_cfg,
-                        capture=CaptureConfig(batch_tokens=args.batch_tokens, shard_tokens=8 * args.batch_tokens))
+        cfg = RunConfig(
+            name="bench",
+            run_root=tmp,
+            target=target_cfg,
+            capture=CaptureConfig(batch_tokens=args.batch_tokens, shard_tokens=8 * args.batch_tokens),
+        )
         lazy = LazyTarget(cfg)
         target = lazy.get()
         ids = synthetic_samples(cfg, target.vocab_size, args.samples, args.min_len, args.max_len, seed=0)
         lengths = [len(x) for x in ids]
         pad_id = target.tokenizer.pad_token_id or 0
-        batches = [capture_run.right_padded([ids[i] for i in batch], pad_id)
-                   for members in plan_shards(lengths, cfg.capture.shard_tokens)
-                   for batch in padded_batches(members, lengths, cfg.capture.batch_tokens)]
+        batches = [
+            capture_run.right_padded([ids[i] for i in batch], pad_id)
+            for members in plan_shards(lengths, cfg.capture.shard_tokens)
+            for batch in padded_batches(members, lengths, cfg.capture.batch_tokens)
+        ]
         time_plain_forward(target.model, batches[:1])  # warm-up
 
         plain, last, topk = [], [], []
@@ -91,11 +104,16 @@ def main() -> None:
     print(f"target {target.name}: H={target.hidden_size}, {len(batches)} batches, {tokens} tokens")
     print(f"plain forward     {forward_tps:10.0f} tok/s")
     print(f"capture (last)    {last_tps:10.0f} tok/s   {last_store.bytes_per_token():8.1f} B/token")
-    print(f"capture (top-{args.topk:<3d}) {topk_tps:10.0f} tok/s   {topk_store.bytes_per_token():8.1f} B/token")
+    print(
+        f"capture (top-{args.topk:<3d}) {topk_tps:10.0f} tok/s   {topk_store.bytes_per_token():8.1f} B/token"
+    )
     print(f"anchor layout     8*H = {anchor_bytes} B/token")
-    print(f"RESULT capture_over_forward={last_tps / forward_tps:.3f} topk_capture_over_forward={topk_tps / forward_tps:.3f} "
-          f"bytes_ratio_last={last_store.bytes_per_token() / anchor_bytes:.3f} "
-          f"bytes_ratio_topk={topk_store.bytes_per_token() / anchor_bytes:.3f}")
+    print(
+        f"RESULT capture_over_forward={last_tps / forward_tps:.3f} "
+        f"topk_capture_over_forward={topk_tps / forward_tps:.3f} "
+        f"bytes_ratio_last={last_store.bytes_per_token() / anchor_bytes:.3f} "
+        f"bytes_ratio_topk={topk_store.bytes_per_token() / anchor_bytes:.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -237,6 +237,8 @@ def validate(cfg: RunConfig) -> None:
     _choice(cfg.capture.dtype, ("bfloat16", "float32"), "capture.dtype")
     _choice(cfg.capture.teacher, ("last", "topk"), "capture.teacher")
     _check(cfg.capture.teacher_topk >= 1, "capture.teacher_topk", "must be at least 1")
+    _check(cfg.capture.shard_tokens >= 1, "capture.shard_tokens", "must be at least 1")
+    _check(cfg.capture.batch_tokens >= 1, "capture.batch_tokens", "must be at least 1")
     _choice(cfg.head.kind, ("eagle3", "mtp"), "head.kind")
     _check(cfg.train.ttt_steps >= 1, "train.ttt_steps", "must be at least 1")
     _check(0.0 < cfg.train.step_weight <= 1.0, "train.step_weight", "must be in (0, 1]")

@@ -20,16 +20,42 @@ REPO = Path(__file__).resolve().parents[1]
 def test_two_process_capture_matches_one_process(tmp_path):
     cfg = small_cfg(tmp_path, name="two")
     make_samples(cfg, LENGTHS)
-    overrides = [f"run_root={tmp_path}", "name=two", "stages=[capture]", "target=random",
-                 f"target.random.hidden_size={TINY.hidden_size}", f"target.random.intermediate_size={TINY.intermediate_size}",
-                 f"target.random.num_hidden_layers={TINY.num_hidden_layers}",
-                 f"capture.shard_tokens={cfg.capture.shard_tokens}", f"capture.batch_tokens={cfg.capture.batch_tokens}"]
-    # `--cpu` in accelerate 1.x starts one process; `--multi_gpu` with no visible GPU gives a gloo group on CPU
+    overrides = [
+        f"run_root={tmp_path}",
+        "name=two",
+        "stages=[capture]",
+        "target=random",
+        f"target.random.hidden_size={TINY.hidden_size}",
+        f"target.random.intermediate_size={TINY.intermediate_size}",
+        f"target.random.num_hidden_layers={TINY.num_hidden_layers}",
+        f"capture.shard_tokens={cfg.capture.shard_tokens}",
+        f"capture.batch_tokens={cfg.capture.batch_tokens}",
+    ]
+    # `--cpu` in accelerate 1.x starts one process; `--multi_gpu` with no visible GPU: a gloo group on CPU
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                           str(REPO / "data_prep" / "capture.py"), *overrides],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            str(REPO / "data_prep" / "capture.py"),
+            *overrides,
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = capture_run.features_dir(cfg)
     store = FeatureStore(out)

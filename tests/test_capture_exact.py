@@ -23,8 +23,15 @@ LAYER_IDS = (1, 3, 4)
 
 def tiny_target(family: str) -> Target:
     config = getattr(transformers, f"{family}Config")(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     model = getattr(transformers, f"{family}ForCausalLM")(config).eval().requires_grad_(False)
     return Target(model=model, tokenizer=None, name=f"tiny-{family}", revision=None, layer_ids=LAYER_IDS)
@@ -46,7 +53,9 @@ def reference(target: Target, input_ids_BT, attention_mask_BT):
     handle = norm.register_forward_pre_hook(lambda _m, args: seen.setdefault("pre_norm", args[0]))
     try:
         with torch.inference_mode():
-            out = target.model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, output_hidden_states=True)
+            out = target.model(
+                input_ids=input_ids_BT, attention_mask=attention_mask_BT, output_hidden_states=True
+            )
     finally:
         handle.remove()
     return out, seen["pre_norm"]
@@ -60,7 +69,7 @@ def test_runner_equals_output_hidden_states(family):
     ref, pre_norm_BTH = reference(target, input_ids_BT, attention_mask_BT)
     H = target.hidden_size
     for k, i in enumerate(LAYER_IDS):
-        assert torch.equal(out.aux_BTA[..., k * H:(k + 1) * H], ref.hidden_states[i + 1]), f"layer {i}"
+        assert torch.equal(out.aux_BTA[..., k * H : (k + 1) * H], ref.hidden_states[i + 1]), f"layer {i}"
     assert torch.equal(out.last_BTH, pre_norm_BTH)
     assert not torch.allclose(out.last_BTH, ref.hidden_states[-1])  # that entry is after the final norm
     assert torch.equal(out.logits_BTV, ref.logits)
@@ -69,7 +78,9 @@ def test_runner_equals_output_hidden_states(family):
 def test_capture_batch_topk_is_the_full_vocab_log_softmax():
     target = tiny_target("Llama")
     input_ids_BT, attention_mask_BT = padded_batch(target.vocab_size)
-    feats = capture_batch(TargetRunner(target), input_ids_BT, attention_mask_BT, teacher="topk", teacher_topk=5)
+    feats = capture_batch(
+        TargetRunner(target), input_ids_BT, attention_mask_BT, teacher="topk", teacher_topk=5
+    )
     ref, _ = reference(target, input_ids_BT, attention_mask_BT)
     top = ref.logits.float().log_softmax(-1).topk(5, dim=-1)
     assert torch.equal(feats["topk_ids"], top.indices.to(torch.int32))
@@ -81,7 +92,7 @@ def test_capture_batch_topk_is_the_full_vocab_log_softmax():
 
 @pytest.mark.parametrize("batch_tokens, exact", [(1, True), (256, False)])
 def test_store_sample_equals_a_forward_of_that_sample(tmp_path, batch_tokens, exact):
-    """batch_tokens=1: one sample per forward, so the store is bit-exact; larger: padded batches, fp32 noise."""
+    """batch_tokens=1: one sample per forward, so bit-exact; larger: padded batches, fp32 rounding."""
     cfg = small_cfg(tmp_path, dtype="float32", batch_tokens=batch_tokens)
     rows = make_samples(cfg, LENGTHS[:6])
     lazy = LazyTarget(cfg)
@@ -104,15 +115,21 @@ def test_store_sample_equals_a_forward_of_that_sample(tmp_path, batch_tokens, ex
 def test_embedded_target_capture_is_exact():
     target = load_target(TargetConfig())
     enc = target.tokenizer.apply_chat_template(
-        [[{"role": "user", "content": "What is the capital of France?"}],
-         [{"role": "user", "content": "Write a haiku about speculative decoding and draft heads."}]],
-        add_generation_prompt=True, padding=True, return_dict=True, return_tensors="pt")
+        [
+            [{"role": "user", "content": "What is the capital of France?"}],
+            [{"role": "user", "content": "Write a haiku about speculative decoding and draft heads."}],
+        ],
+        add_generation_prompt=True,
+        padding=True,
+        return_dict=True,
+        return_tensors="pt",
+    )
     input_ids_BT, attention_mask_BT = enc["input_ids"], enc["attention_mask"]
     assert target.layer_ids == (1, 14, 26)
     out = TargetRunner(target)(input_ids_BT, attention_mask_BT)
     ref, pre_norm_BTH = reference(target, input_ids_BT, attention_mask_BT)
     H = target.hidden_size
     for k, i in enumerate(target.layer_ids):
-        assert torch.equal(out.aux_BTA[..., k * H:(k + 1) * H], ref.hidden_states[i + 1]), f"layer {i}"
+        assert torch.equal(out.aux_BTA[..., k * H : (k + 1) * H], ref.hidden_states[i + 1]), f"layer {i}"
     assert torch.equal(out.last_BTH, pre_norm_BTH)
     assert torch.equal(out.logits_BTV, ref.logits)

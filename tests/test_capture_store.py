@@ -1,7 +1,8 @@
-"""The offline feature store: round trip, resume after a kill, skip/recapture, corruption, refusal, bad input."""
+"""The offline feature store: round trip, resume after a kill, skip or recapture, corruption, bad input."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import datasets
@@ -19,15 +20,21 @@ from specdistill.capture.store import (
 from specdistill.config import CaptureConfig, RandomTargetConfig, RunConfig, TargetConfig
 from specdistill.pipeline import LazyTarget
 
-TINY = RandomTargetConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
-                          num_key_value_heads=2)
+TINY = RandomTargetConfig(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2
+)
 
 
 def make_samples(cfg: RunConfig, lengths: list[int], seed: int = 0, vocab: int = 384) -> list[dict]:
     """Write a prepared-samples dataset where the capture stage looks for it; returns its rows."""
     rng = random.Random(seed)
-    rows = [{"input_ids": [rng.randrange(vocab) for _ in range(n)], "loss_mask": [int(rng.random() < 0.6) for _ in range(n)]}
-            for n in lengths]
+    rows = [
+        {
+            "input_ids": [rng.randrange(vocab) for _ in range(n)],
+            "loss_mask": [int(rng.random() < 0.6) for _ in range(n)],
+        }
+        for n in lengths
+    ]
     ds = datasets.Dataset.from_dict({k: [r[k] for r in rows] for k in ("input_ids", "loss_mask")})
     ds.save_to_disk(str(capture_run.samples_dir(cfg)))
     return rows
@@ -35,8 +42,8 @@ def make_samples(cfg: RunConfig, lengths: list[int], seed: int = 0, vocab: int =
 
 def small_cfg(tmp_path, name: str = "t", **capture) -> RunConfig:
     capture = {"shard_tokens": 60, "batch_tokens": 64, **capture}
-    return RunConfig(name=name, run_root=str(tmp_path), target=TargetConfig(name="random", random=TINY),
-                     capture=CaptureConfig(**capture))
+    target = TargetConfig(name="random", random=dataclasses.replace(TINY))
+    return RunConfig(name=name, run_root=str(tmp_path), target=target, capture=CaptureConfig(**capture))
 
 
 LENGTHS = [7, 23, 12, 31, 5, 18, 9, 26, 14, 11, 3, 20]
@@ -61,7 +68,10 @@ def test_store_round_trip(tmp_path, target):
     store.verify()
     for i, src in enumerate(store.source_indices):
         s = store.sample(i)
-        assert s["input_ids"].tolist() == rows[src]["input_ids"] and s["loss_mask"].tolist() == rows[src]["loss_mask"]
+        assert (
+            s["input_ids"].tolist() == rows[src]["input_ids"]
+            and s["loss_mask"].tolist() == rows[src]["loss_mask"]
+        )
         assert s["aux"].shape == (LENGTHS[src], 3 * 32) and s["last"].shape == (LENGTHS[src], 32)
         assert s["aux"].dtype == torch.bfloat16 and store.lengths[i] == LENGTHS[src]
     order = shuffled_order(store, seed=3)
@@ -98,11 +108,17 @@ def test_resume_after_kill_mid_shard(tmp_path, target, monkeypatch):
     # what a kill during the write of shard 2 or before its record leaves behind
     (out / "shard-00002.safetensors").write_bytes(b"partial")
     (out / ".shard-00003.safetensors.abc.tmp").write_bytes(b"partial")
+    # a recorded shard damaged since (same size): must be captured again, not re-used
+    damaged = bytearray((out / "shard-00001.safetensors").read_bytes())
+    damaged[-5] ^= 0xFF
+    (out / "shard-00001.safetensors").write_bytes(bytes(damaged))
+    kept["shard-00001.safetensors"] = (out / "shard-00001.safetensors").stat().st_mtime_ns
 
     result = capture_run.run(cfg, target)
     store = FeatureStore(result["features"])
     store.verify()
-    assert {n: (out / n).stat().st_mtime_ns for n in kept} == kept  # complete shards were not redone
+    assert (out / "shard-00000.safetensors").stat().st_mtime_ns == kept["shard-00000.safetensors"]  # kept
+    assert (out / "shard-00001.safetensors").stat().st_mtime_ns != kept["shard-00001.safetensors"]  # redone
     assert not list(out.glob(".*.tmp"))
     assert [s["sha256"] for s in store.shards] == [s["sha256"] for s in ref_store.shards]
 
@@ -117,6 +133,9 @@ def test_skip_when_same_recapture_when_changed(tmp_path, target):
     assert FeatureStore(capture_run.features_dir(cfg)).manifest["dtype"] == "float32"
     make_samples(cfg, LENGTHS, seed=1)  # same lengths, other tokens: must not be re-used
     assert not capture_run.run(cfg, target)["skipped"]
+    retrained = small_cfg(tmp_path)  # same name and shapes, other weights
+    retrained.target.random.seed = 1
+    assert not capture_run.run(retrained, LazyTarget(retrained))["skipped"]
     make_samples(cfg, LENGTHS[:4], seed=1)  # fewer shards: the old ones past the end are removed
     result = capture_run.run(cfg, target)
     assert result["samples"] == 4
@@ -149,8 +168,12 @@ def test_incompatible_store_is_refused(tmp_path, target):
     store = FeatureStore(capture_run.run(cfg, target)["features"])
     ok = dict(target_name="random", layer_ids=[1, 3, 4], hidden_size=32, teacher="topk")
     store.check_compatible(**ok, teacher_topk=4)
-    for field, value in [("target_name", "meta-llama/Llama-3.1-8B"), ("layer_ids", [2, 3, 4]),
-                         ("hidden_size", 4096), ("teacher", "last")]:
+    for field, value in [
+        ("target_name", "meta-llama/Llama-3.1-8B"),
+        ("layer_ids", [2, 3, 4]),
+        ("hidden_size", 4096),
+        ("teacher", "last"),
+    ]:
         with pytest.raises(FeatureStoreError, match=f"{field}: the store has"):
             store.check_compatible(**{**ok, field: value})
     with pytest.raises(FeatureStoreError, match="teacher_topk"):
@@ -172,18 +195,30 @@ def test_topk_teacher_is_smaller_and_matches_log_softmax(tmp_path, target):
         torch.testing.assert_close(s["topk_logprobs"], top.values, rtol=0, atol=1e-5)
     last_cfg = small_cfg(tmp_path, name="last", dtype="float32")
     make_samples(last_cfg, LENGTHS[:3])
-    assert store.bytes_per_token() < FeatureStore(capture_run.run(last_cfg, target)["features"]).bytes_per_token()
+    assert (
+        store.bytes_per_token()
+        < FeatureStore(capture_run.run(last_cfg, target)["features"]).bytes_per_token()
+    )
 
 
-@pytest.mark.parametrize("rows, match", [
-    ({"input_ids": [[1, 2], [3, 4, 5], [6]], "loss_mask": [[0, 1], [1, 1, 0], [1]]}, None),
-    ({"input_ids": [[1, 2], [3, 4, 5], [6]], "loss_mask": [[0, 1], [1, 1, 0], [1, 1]]}, "row 2: loss_mask has 2"),
-    ({"input_ids": [[1, 2], [3, 999, 5]], "loss_mask": [[0, 1], [1, 1, 1]]}, "row 1: input_ids holds token 999"),
-    ({"input_ids": [[1, 2], [3, 4]], "loss_mask": [[0, 1], [2, 1]]}, "row 1: loss_mask holds 2"),
-    ({"input_ids": [[1, 2], []], "loss_mask": [[0, 1], []]}, "row 1: input_ids is empty"),
-    ({"input_ids": [[1, 2]], "labels": [[0, 1]]}, r"missing column\(s\) \['loss_mask'\]"),
-    ({"input_ids": [["a"]], "loss_mask": [[1]]}, "column `input_ids` has type list<item: string>"),
-])
+@pytest.mark.parametrize(
+    "rows, match",
+    [
+        ({"input_ids": [[1, 2], [3, 4, 5], [6]], "loss_mask": [[0, 1], [1, 1, 0], [1]]}, None),
+        (
+            {"input_ids": [[1, 2], [3, 4, 5], [6]], "loss_mask": [[0, 1], [1, 1, 0], [1, 1]]},
+            "row 2: loss_mask has 2",
+        ),
+        (
+            {"input_ids": [[1, 2], [3, 999, 5]], "loss_mask": [[0, 1], [1, 1, 1]]},
+            "row 1: input_ids holds token 999",
+        ),
+        ({"input_ids": [[1, 2], [3, 4]], "loss_mask": [[0, 1], [2, 1]]}, "row 1: loss_mask holds 2"),
+        ({"input_ids": [[1, 2], []], "loss_mask": [[0, 1], []]}, "row 1: input_ids is empty"),
+        ({"input_ids": [[1, 2]], "labels": [[0, 1]]}, r"missing column\(s\) \['loss_mask'\]"),
+        ({"input_ids": [["a"]], "loss_mask": [[1]]}, "column `input_ids` has type list<item: string>"),
+    ],
+)
 def test_bad_samples_are_named(tmp_path, target, rows, match):
     cfg = small_cfg(tmp_path)
     datasets.Dataset.from_dict(rows).save_to_disk(str(capture_run.samples_dir(cfg)))
@@ -209,7 +244,9 @@ def test_training_orders(tmp_path, target):
     assert sorted(order) == list(range(len(store)))
     assert order == shuffled_order(store, seed=0) and order != shuffled_order(store, seed=0, epoch=1)
     shard_of = [store.locate(i)[0] for i in order]
-    assert len(set(shard_of)) == sum(1 for a, b in zip([None, *shard_of], shard_of) if a != b)  # one visit each
+    assert len(set(shard_of)) == sum(
+        1 for a, b in zip([None, *shard_of], shard_of) if a != b
+    )  # one visit each
     batches = length_batches(store, batch_tokens=40, seed=0)
     assert sorted(i for b in batches for i in b) == list(range(len(store)))
     for b in batches:

@@ -296,7 +296,12 @@ def test_speculators_package_loads_our_export_with_the_same_logits(head, tmp_pat
         pytest.skip(f"the `speculators` package is not importable here ({type(err).__name__}: {err}); "
                     "speculators 0.9.0 requires transformers<=5.19, older than this environment's, so it runs "
                     "in its own virtual environment (pip install speculators, then run this test)")
-    out = export_eagle3(head, "speculators", tmp_path / "spec", dtype="float32")
+    from transformers import LlamaForCausalLM
+
+    verifier = tmp_path / "verifier"  # the package reads the verifier's config and embedding
+    LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=H, intermediate_size=128, num_hidden_layers=8,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(verifier)
+    out = export_eagle3(head, "speculators", tmp_path / "spec", dtype="float32", target=str(verifier))
     config = Eagle3SpeculatorConfig.from_pretrained(str(out))
     config.transformer_layer_config._attn_implementation = "eager"
     model = Eagle3DraftModel.from_pretrained(str(out), config=config).float().eval()

@@ -85,3 +85,31 @@ def test_mtp_refusals():
         qwen3_next_mtp.convert([mtp_module(0), mtp_module(1)], DIMS)
     with pytest.raises(common.ExportError, match="no MTP module"):
         deepseek_mtp.convert([], DIMS)
+
+
+def test_deepseek_refuses_a_pruned_draft_vocabulary():
+    pruned = common.MTPDims(arch=ARCH, vocab_size=384, target_num_layers=8, draft_vocab_size=64)
+    module = mtp_module() | {"lm_head.weight": torch.randn(64, 64)}
+    with pytest.raises(common.ExportError, match="full-vocabulary head"):
+        deepseek_mtp.convert([module], pruned)
+    assert set(qwen3_next_mtp.convert([module], pruned).tensors) == set(qwen3_next_mtp.REQUIRED_KEYS)
+
+
+def test_mtp_head_through_the_export_stage(tmp_path):
+    from specdistill.config import RunConfig
+    from specdistill.export import run
+    from specdistill.heads import save_head
+    from specdistill.heads.mtp import MTPConfig, MTPHead
+
+    head = MTPHead(MTPConfig(arch=ARCH, vocab_size=384, draft_vocab_size=384, target_hidden_size=64,
+                             aux_layer_ids=[1, 3, 4], target_num_layers=8, num_modules=2))
+    cfg = RunConfig(name="mtp", run_root=str(tmp_path))
+    cfg.export.formats = ["deepseek_mtp"]
+    save_head(head, cfg.run_dir / "ckpt" / "final")
+    out = run.run(cfg, target=None)["formats"]["deepseek_mtp"]
+    tensors = load_file(f"{out}/mtp.safetensors")
+    assert {k.split(".")[2] for k in tensors} == {"8", "9"}
+    assert torch.equal(tensors["model.layers.9.eh_proj.weight"], head.mtp[1].eh_proj.weight.to(torch.bfloat16))
+    cfg.export.formats = ["sglang"]
+    with pytest.raises(common.ExportError, match=r"\['sglang'\] do not fit the mtp head"):
+        run.run(cfg, target=None)

@@ -2,7 +2,10 @@
 
 import torch
 
+import pytest
+
 from specdistill.heads.eagle3 import Eagle3Config, Eagle3Head
+from specdistill.heads.mtp import MTPConfig, MTPHead
 from specdistill.heads.layers import HeadArch, ttt_attention
 from specdistill.spec.decode import Drafter
 from specdistill.train.loss import LOSSES
@@ -10,11 +13,18 @@ from specdistill.train.teacher import TeacherTargets
 from specdistill.train.ttt import TTTBatch, causal_mask, unroll_ttt
 
 
-def tiny_head(vocab=96, draft=48, hidden=32, seed=0) -> Eagle3Head:
+HEAD_KINDS = ["eagle3", "mtp", "mtp3"]
+
+
+def tiny_head(kind="eagle3", vocab=96, draft=48, hidden=32, seed=0):
     torch.manual_seed(seed)
     arch = HeadArch(hidden_size=hidden, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
-    head = Eagle3Head(Eagle3Config(arch=arch, vocab_size=vocab, draft_vocab_size=draft, target_hidden_size=hidden,
-                                   aux_layer_ids=[1, 2, 3], target_num_layers=6))
+    common = dict(arch=arch, vocab_size=vocab, draft_vocab_size=draft, target_hidden_size=hidden,
+                  aux_layer_ids=[1, 2, 3], target_num_layers=6)
+    if kind == "eagle3":
+        head = Eagle3Head(Eagle3Config(**common))
+    else:
+        head = MTPHead(MTPConfig(**common, num_modules=3 if kind == "mtp3" else 1))
     for p in head.parameters():
         torch.nn.init.normal_(p, std=0.2)
     ids = torch.sort(torch.randperm(vocab)[:draft]).values
@@ -65,12 +75,14 @@ def random_batch(B, T, head, seed=1) -> TTTBatch:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, head.config.vocab_size, (B, T), generator=g)
     aux = torch.randn(B, T, 3 * head.config.target_hidden_size, generator=g)
-    return TTTBatch(ids, torch.ones(B, T, dtype=torch.long), torch.ones(B, T, dtype=torch.bool), aux)
+    last = torch.randn(B, T, head.config.target_hidden_size, generator=g)
+    return TTTBatch(ids, torch.ones(B, T, dtype=torch.long), torch.ones(B, T, dtype=torch.bool), aux, last)
 
 
-def test_unroll_learns_a_fixed_batch_for_every_loss():
+@pytest.mark.parametrize("kind", HEAD_KINDS)
+def test_unroll_learns_a_fixed_batch_for_every_loss(kind):
     for loss in LOSSES:
-        head = tiny_head()
+        head = tiny_head(kind)
         batch, teacher = random_batch(2, 12, head), None
         teacher = random_teacher(2, 12, head)
         opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-2)
@@ -86,9 +98,10 @@ def test_unroll_learns_a_fixed_batch_for_every_loss():
         assert head.embed_tokens.weight.grad is None  # the target embedding stays frozen
 
 
-def test_drafting_reproduces_the_training_unroll():
+@pytest.mark.parametrize("kind", HEAD_KINDS)
+def test_drafting_reproduces_the_training_unroll(kind):
     """Chain-drafting along the ground-truth tokens must give the TTT unroll's logits at each step."""
-    head = tiny_head().eval()
+    head = tiny_head(kind).eval()
     T, steps = 10, 3
     batch = random_batch(1, T, head)
     logits_per_step = []
@@ -104,7 +117,7 @@ def test_drafting_reproduces_the_training_unroll():
     ids = batch.input_ids_BT
     t = 5  # a position with room for `steps` more tokens
     drafter = Drafter(head, head.config.vocab_size)
-    root_logp = drafter.extend(batch.aux_BTA[:, : t + 1], ids[:, 1 : t + 2], 0)
+    root_logp = drafter.extend(batch.aux_BTA[:, : t + 1], batch.last_BTH[:, : t + 1], ids[:, 1 : t + 2], 0)
     expected = torch.log_softmax(logits_per_step[0][:, t], -1)
     torch.testing.assert_close(root_logp[..., head.draft_to_target(torch.arange(48))], expected, atol=1e-5, rtol=1e-5)
     parent = torch.full((1, 1), -1)
@@ -113,3 +126,16 @@ def test_drafting_reproduces_the_training_unroll():
         expected = torch.log_softmax(logits_per_step[j][:, t], -1)
         torch.testing.assert_close(logp[..., head.draft_to_target(torch.arange(48))][:, 0], expected, atol=1e-5, rtol=1e-5)
         parent = torch.zeros(1, 1, dtype=torch.long)
+
+
+def test_mtp_modules_shapes_and_separate_weights_per_step():
+    head = tiny_head("mtp3")
+    assert len(head.mtp) == 3
+    assert head.mtp[0].eh_proj.weight.shape == (32, 64)
+    dicts = head.module_state_dicts()
+    assert len(dicts) == 3 and {"eh_proj.weight", "enorm.weight", "hnorm.weight", "norm.weight", "lm_head.weight",
+                                "embed_tokens.weight", "layers.0.self_attn.q_proj.weight"} <= dicts[0].keys()
+    batch, teacher = random_batch(1, 8, head), random_teacher(1, 8, head)
+    r = unroll_ttt(head, batch, teacher, steps=3, step_weight=0.8, loss_fn=LOSSES["forward_kl"])
+    r.loss.backward()
+    assert all(m.eh_proj.weight.grad is not None and m.eh_proj.weight.grad.abs().sum() > 0 for m in head.mtp)

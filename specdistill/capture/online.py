@@ -27,8 +27,13 @@ def topk_teacher(logits_BTV: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.
 
 
 @torch.inference_mode()
-def capture_batch(runner: TargetRunner, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
-                  teacher: str = "last", teacher_topk: int = 32) -> dict[str, torch.Tensor]:
+def capture_batch(
+    runner: TargetRunner,
+    input_ids_BT: torch.Tensor,
+    attention_mask_BT: torch.Tensor,
+    teacher: str = "last",
+    teacher_topk: int = 32,
+) -> dict[str, torch.Tensor]:
     """One frozen forward -> {"aux": [B, T, A], "last": [B, T, H]} or, with teacher="topk",
     {"aux", "topk_logprobs": [B, T, K] fp32, "topk_ids": [B, T, K] int32}; padded positions are garbage."""
     if teacher not in TEACHERS:

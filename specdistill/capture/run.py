@@ -66,11 +66,15 @@ def load_samples(path: Path):
         raise BadSamples(f"{path}: no prepared samples; run the prepare stage first")
     ds = datasets.load_from_disk(str(path))
     if not isinstance(ds, datasets.Dataset):
-        raise BadSamples(f"{path}: expected one dataset (datasets.Dataset.save_to_disk), found {type(ds).__name__}")
+        raise BadSamples(
+            f"{path}: expected one dataset (datasets.Dataset.save_to_disk), found {type(ds).__name__}"
+        )
     missing = [c for c in COLUMNS if c not in ds.column_names]
     if missing:
-        raise BadSamples(f"{path}: missing column(s) {missing} (has {ds.column_names}); expected input_ids "
-                         "(list of int) and loss_mask (list of 0/1)")
+        raise BadSamples(
+            f"{path}: missing column(s) {missing} (has {ds.column_names}); expected input_ids "
+            "(list of int) and loss_mask (list of 0/1)"
+        )
     return ds.select_columns(list(COLUMNS))
 
 
@@ -106,15 +110,21 @@ def scan_samples(ds, where: Path, vocab_size: int) -> SampleScan:
         mask_len, mask_N = _flat_values(table, "loss_mask", where, row0)
         if (bad := np.flatnonzero(ids_len != mask_len)).size:
             r = int(bad[0])
-            raise BadSamples(f"{where}: row {row0 + r}: loss_mask has {mask_len[r]} entries, input_ids {ids_len[r]}")
+            raise BadSamples(
+                f"{where}: row {row0 + r}: loss_mask has {mask_len[r]} entries, input_ids {ids_len[r]}"
+            )
         if (bad := np.flatnonzero(ids_len == 0)).size:
             raise BadSamples(f"{where}: row {row0 + int(bad[0])}: input_ids is empty")
         if (bad := np.flatnonzero((ids_N < 0) | (ids_N >= vocab_size))).size:
-            raise BadSamples(f"{where}: row {_row_of(int(bad[0]), ids_len, row0)}: input_ids holds token "
-                             f"{ids_N[bad[0]]}, outside the target vocabulary [0, {vocab_size})")
+            raise BadSamples(
+                f"{where}: row {_row_of(int(bad[0]), ids_len, row0)}: input_ids holds token "
+                f"{ids_N[bad[0]]}, outside the target vocabulary [0, {vocab_size})"
+            )
         if (bad := np.flatnonzero((mask_N != 0) & (mask_N != 1))).size:
-            raise BadSamples(f"{where}: row {_row_of(int(bad[0]), ids_len, row0)}: loss_mask holds "
-                             f"{mask_N[bad[0]]}, expected 0 or 1")
+            raise BadSamples(
+                f"{where}: row {_row_of(int(bad[0]), ids_len, row0)}: loss_mask holds "
+                f"{mask_N[bad[0]]}, expected 0 or 1"
+            )
         for part in (ids_len, ids_N, mask_N.astype(np.uint8)):
             digest.update(part.tobytes())
         lengths.extend(ids_len.tolist())
@@ -124,15 +134,33 @@ def scan_samples(ds, where: Path, vocab_size: int) -> SampleScan:
     return SampleScan(lengths, digest.hexdigest())
 
 
+def weights_fingerprint(model: torch.nn.Module, head: int = 256) -> str:
+    """sha256 over every parameter's name, shape and first `head` values: cheap even for a 70B target, and
+    it tells apart weights re-saved under the same name (a fine-tuned local dir, another random seed)."""
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        digest.update(f"{name}{tuple(param.shape)}".encode())
+        digest.update(param.detach().reshape(-1)[:head].float().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
 def store_header(target: Target, cfg: RunConfig, data_fingerprint: str) -> dict:
     """Everything a store's contents depend on; a store whose header differs is captured again."""
     c = cfg.capture
-    return {"target_name": target.name, "target_revision": target.revision,
-            "target_dtype": str(next(target.model.parameters()).dtype).removeprefix("torch."),
-            "layer_ids": [int(i) for i in target.layer_ids], "hidden_size": target.hidden_size,
-            "vocab_size": target.vocab_size, "dtype": c.dtype, "teacher": c.teacher,
-            "teacher_topk": c.teacher_topk if c.teacher == "topk" else None,
-            "data_fingerprint": data_fingerprint, "shard_tokens": c.shard_tokens}
+    return {
+        "target_name": target.name,
+        "target_revision": target.revision,
+        "target_fingerprint": weights_fingerprint(target.model),
+        "target_dtype": str(next(target.model.parameters()).dtype).removeprefix("torch."),
+        "layer_ids": [int(i) for i in target.layer_ids],
+        "hidden_size": target.hidden_size,
+        "vocab_size": target.vocab_size,
+        "dtype": c.dtype,
+        "teacher": c.teacher,
+        "teacher_topk": c.teacher_topk if c.teacher == "topk" else None,
+        "data_fingerprint": data_fingerprint,
+        "shard_tokens": c.shard_tokens,
+    }
 
 
 # ---------------------------------------------------------------- ranks
@@ -163,7 +191,9 @@ def _existing_store(out_dir: Path, header: dict) -> FeatureStore | None:
         return None
     reason = mismatch(store.manifest, header)
     if reason is not None:
-        log.warning("the feature store at %s was captured with other settings (%s); capturing again", out_dir, reason)
+        log.warning(
+            "the feature store at %s was captured with other settings (%s); capturing again", out_dir, reason
+        )
         return None
     return store
 
@@ -181,8 +211,17 @@ def right_padded(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor,
     return input_ids_BT, attention_mask_BT
 
 
-def capture_shard(writer: ShardWriter, shard_id: int, members: list[int], ds, lengths: list[int],
-                  runner: TargetRunner, cfg: RunConfig, device: torch.device, bar: tqdm) -> dict:
+def capture_shard(
+    writer: ShardWriter,
+    shard_id: int,
+    members: list[int],
+    ds,
+    lengths: list[int],
+    runner: TargetRunner,
+    cfg: RunConfig,
+    device: torch.device,
+    bar: tqdm,
+) -> dict:
     """Forward one shard's samples in right-padded length batches and write the shard."""
     c = cfg.capture
     store_dtype = STORE_DTYPES[c.dtype]
@@ -191,20 +230,32 @@ def capture_shard(writer: ShardWriter, shard_id: int, members: list[int], ds, le
     for batch in padded_batches(members, lengths, c.batch_tokens):
         rows = ds[batch]
         input_ids_BT, attention_mask_BT = right_padded(rows["input_ids"], pad_id)
-        feats = capture_batch(runner, input_ids_BT.to(device), attention_mask_BT.to(device), c.teacher, c.teacher_topk)
+        feats = capture_batch(
+            runner, input_ids_BT.to(device), attention_mask_BT.to(device), c.teacher, c.teacher_topk
+        )
         feats = {k: (v.to(store_dtype) if v.is_floating_point() else v).cpu() for k, v in feats.items()}
         for b, i in enumerate(batch):
             n = lengths[i]
-            writer.add({"input_ids": input_ids_BT[b, :n].to(torch.int32),
-                        "loss_mask": torch.tensor(rows["loss_mask"][b], dtype=torch.uint8),
-                        **{k: v[b, :n] for k, v in feats.items()}})
+            writer.add(
+                {
+                    "input_ids": input_ids_BT[b, :n].to(torch.int32),
+                    "loss_mask": torch.tensor(rows["loss_mask"][b], dtype=torch.uint8),
+                    **{k: v[b, :n] for k, v in feats.items()},
+                }
+            )
         bar.update(sum(lengths[i] for i in batch))
     return writer.finish()
 
 
 def _summary(store: FeatureStore, skipped: bool) -> dict:
-    return {"features": str(store.path), "samples": len(store), "tokens": store.num_tokens,
-            "shards": len(store.shards), "bytes_per_token": round(store.bytes_per_token(), 1), "skipped": skipped}
+    return {
+        "features": str(store.path),
+        "samples": len(store),
+        "tokens": store.num_tokens,
+        "shards": len(store.shards),
+        "bytes_per_token": round(store.bytes_per_token(), 1),
+        "skipped": skipped,
+    }
 
 
 def run(cfg: RunConfig, target) -> dict:
@@ -222,8 +273,11 @@ def run(cfg: RunConfig, target) -> dict:
     existing = _existing_store(out_dir, header)
     _barrier(world)
     if existing is not None:
-        log.info("feature store at %s already holds these features (%d samples); skipping capture", out_dir,
-                 len(existing))
+        log.info(
+            "feature store at %s already holds these features (%d samples); skipping capture",
+            out_dir,
+            len(existing),
+        )
         return _summary(existing, skipped=True)
 
     plan = plan_shards(scan.lengths, cfg.capture.shard_tokens)
@@ -232,17 +286,29 @@ def run(cfg: RunConfig, target) -> dict:
         out_dir.mkdir(parents=True, exist_ok=True)
         writer.clear_stale(len(plan))
     _barrier(world)
-    done = writer.completed()
-    mine = [k for k in range(len(plan)) if k % world == rank and k not in done]
+    assigned = range(rank, len(plan), world)
+    done = writer.completed(assigned, check_hash=True)
+    mine = [k for k in assigned if k not in done]
     writer.discard_partial(mine)
-    log.info("capturing %d samples (%d tokens) into %d shards at %s; rank %d of %d: %d shards to write, "
-             "%d already complete", len(scan.lengths), sum(scan.lengths), len(plan), out_dir, rank, world,
-             len(mine), len(done))
+    log.info(
+        "capturing %d samples (%d tokens) into %d shards at %s; rank %d of %d: %d shards to write, "
+        "%d already complete",
+        len(scan.lengths),
+        sum(scan.lengths),
+        len(plan),
+        out_dir,
+        rank,
+        world,
+        len(mine),
+        len(done),
+    )
     if loaded.model.device != device:
         loaded.model.to(device)
     runner = TargetRunner(loaded)
     todo_tokens = sum(scan.lengths[i] for k in mine for i in plan[k])
-    with tqdm(total=todo_tokens, unit="tok", unit_scale=True, desc=f"capture rank {rank}", position=rank) as bar:
+    with tqdm(
+        total=todo_tokens, unit="tok", unit_scale=True, desc=f"capture rank {rank}", position=rank
+    ) as bar:
         for k in mine:
             capture_shard(writer, k, plan[k], ds, scan.lengths, runner, cfg, device, bar)
     _barrier(world)
@@ -255,6 +321,11 @@ def run(cfg: RunConfig, target) -> dict:
         log.info("wrote %s (%d shards)", path, len(plan))
     _barrier(world)
     store = FeatureStore(out_dir)
-    log.info("feature store ready at %s: %d samples, %d tokens, %.0f bytes/token", out_dir, len(store),
-             store.num_tokens, store.bytes_per_token())
+    log.info(
+        "feature store ready at %s: %d samples, %d tokens, %.0f bytes/token",
+        out_dir,
+        len(store),
+        store.num_tokens,
+        store.bytes_per_token(),
+    )
     return _summary(store, skipped=False)

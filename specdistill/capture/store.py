@@ -38,12 +38,24 @@ MANIFEST = "manifest.json"
 PROGRESS_DIR = "progress"
 STORE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # header fields that decide whether a store can stand in for a fresh capture
-HEADER_KEYS = ("target_name", "target_revision", "target_dtype", "layer_ids", "hidden_size", "vocab_size",
-               "dtype", "teacher", "teacher_topk", "data_fingerprint", "shard_tokens")
+HEADER_KEYS = (
+    "target_name",
+    "target_revision",
+    "target_fingerprint",
+    "target_dtype",
+    "layer_ids",
+    "hidden_size",
+    "vocab_size",
+    "dtype",
+    "teacher",
+    "teacher_topk",
+    "data_fingerprint",
+    "shard_tokens",
+)
 
 
 class FeatureStoreError(ValueError):
-    """A feature store is missing, unfinished, corrupted or captured for something else; the message says which."""
+    """A store is missing, unfinished, corrupted or captured for something else; the message says which."""
 
 
 def shard_name(shard_id: int) -> str:
@@ -98,13 +110,23 @@ class ShardWriter:
     def _record_path(self, shard_id: int) -> Path:
         return self.progress_dir / shard_name(shard_id).replace(".safetensors", ".json")
 
-    def completed(self) -> dict[int, dict]:
-        """Records of complete shards of this plan whose file is present at the recorded size."""
+    def completed(self, shard_ids: Iterable[int] | None = None, check_hash: bool = False) -> dict[int, dict]:
+        """Records of complete shards of this plan (all, or those in `shard_ids`) whose file is present at
+        the recorded size and, with `check_hash`, the recorded sha256 (a resume re-uses nothing unchecked)."""
+        wanted = None if shard_ids is None else set(shard_ids)
         done = {}
         for path in sorted(self.progress_dir.glob("shard-*.json")):
             record = json.loads(path.read_text())
+            if record.get("plan") != self.plan_key or (wanted is not None and record["shard"] not in wanted):
+                continue
             shard = self.out_dir / record["file"]
-            if record.get("plan") == self.plan_key and shard.exists() and shard.stat().st_size == record["bytes"]:
+            intact = shard.exists() and shard.stat().st_size == record["bytes"]
+            if intact and check_hash and sha256_file(shard) != record["sha256"]:
+                log.warning(
+                    "shard %s differs from its progress record (corrupted); capturing it again", shard
+                )
+                intact = False
+            if intact:
                 done[record["shard"]] = {k: v for k, v in record.items() if k != "plan"}
         return done
 
@@ -139,8 +161,10 @@ class ShardWriter:
     def finish(self) -> dict:
         """Write the shard atomically, then its progress record; returns the record."""
         if self._shard_id is None or len(self._samples) != len(self._sample_indices):
-            raise RuntimeError(f"shard {self._shard_id}: {len(self._samples)} samples added, "
-                               f"{len(self._sample_indices)} planned")
+            raise RuntimeError(
+                f"shard {self._shard_id}: {len(self._samples)} samples added, "
+                f"{len(self._sample_indices)} planned"
+            )
         lengths = [s["input_ids"].shape[0] for s in self._samples]
         offsets_S1 = torch.zeros(len(lengths) + 1, dtype=torch.int64)
         offsets_S1[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
@@ -149,9 +173,17 @@ class ShardWriter:
         name = shard_name(self._shard_id)
         path = self.out_dir / name
         save_tensors(path, tensors)
-        record = {"shard": self._shard_id, "file": name, "sha256": sha256_file(path), "bytes": path.stat().st_size,
-                  "samples": len(lengths), "tokens": int(offsets_S1[-1]), "lengths": lengths,
-                  "sample_indices": self._sample_indices, "rank": self.rank}
+        record = {
+            "shard": self._shard_id,
+            "file": name,
+            "sha256": sha256_file(path),
+            "bytes": path.stat().st_size,
+            "samples": len(lengths),
+            "tokens": int(offsets_S1[-1]),
+            "lengths": lengths,
+            "sample_indices": self._sample_indices,
+            "rank": self.rank,
+        }
         write_json(self._record_path(self._shard_id), {"plan": self.plan_key, **record})
         self._shard_id, self._samples = None, []
         return record
@@ -160,8 +192,16 @@ class ShardWriter:
 def write_manifest(out_dir: str | Path, header: dict, records: list[dict]) -> Path:
     """The manifest, last and atomically: its presence means every shard it lists is complete."""
     path = Path(out_dir) / MANIFEST
-    write_json(path, {"format": FORMAT, **header, "num_samples": sum(r["samples"] for r in records),
-                      "num_tokens": sum(r["tokens"] for r in records), "shards": records})
+    write_json(
+        path,
+        {
+            "format": FORMAT,
+            **header,
+            "num_samples": sum(r["samples"] for r in records),
+            "num_tokens": sum(r["tokens"] for r in records),
+            "shards": records,
+        },
+    )
     return path
 
 
@@ -175,11 +215,15 @@ class FeatureStore:
         self.path = Path(path)
         manifest_path = self.path / MANIFEST
         if not manifest_path.exists():
-            raise FeatureStoreError(f"{self.path}: no {MANIFEST} (the capture did not finish, or this is not a "
-                                    "feature store); run the capture stage")
+            raise FeatureStoreError(
+                f"{self.path}: no {MANIFEST} (the capture did not finish, or this is not a "
+                "feature store); run the capture stage"
+            )
         self.manifest: dict = json.loads(manifest_path.read_text())
         if self.manifest.get("format") != FORMAT:
-            raise FeatureStoreError(f"{manifest_path}: format {self.manifest.get('format')!r}, expected {FORMAT!r}")
+            raise FeatureStoreError(
+                f"{manifest_path}: format {self.manifest.get('format')!r}, expected {FORMAT!r}"
+            )
         self.shards: list[dict] = self.manifest["shards"]
         self._starts = [0]
         for shard in self.shards:
@@ -207,8 +251,10 @@ class FeatureStore:
                 raise FeatureStoreError(f"{path}: shard listed in the manifest is missing")
             size = path.stat().st_size
             if size != shard["bytes"]:
-                raise FeatureStoreError(f"{path}: {size} bytes, the manifest records {shard['bytes']} "
-                                        "(truncated or rewritten); recapture")
+                raise FeatureStoreError(
+                    f"{path}: {size} bytes, the manifest records {shard['bytes']} "
+                    "(truncated or rewritten); recapture"
+                )
 
     def shard_members(self, k: int) -> range:
         """Store sample indices held by the k-th shard."""
@@ -224,9 +270,12 @@ class FeatureStore:
     def _expected_shapes(self, shard: dict) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         m = self.manifest
         tokens, dtype = shard["tokens"], STORE_DTYPES[m["dtype"]]
-        shapes = {"input_ids": ((tokens,), torch.int32), "loss_mask": ((tokens,), torch.uint8),
-                  "offsets": ((shard["samples"] + 1,), torch.int64),
-                  "aux": ((tokens, len(m["layer_ids"]) * m["hidden_size"]), dtype)}
+        shapes = {
+            "input_ids": ((tokens,), torch.int32),
+            "loss_mask": ((tokens,), torch.uint8),
+            "offsets": ((shard["samples"] + 1,), torch.int64),
+            "aux": ((tokens, len(m["layer_ids"]) * m["hidden_size"]), dtype),
+        }
         if m["teacher"] == "last":
             shapes["last"] = ((tokens, m["hidden_size"]), dtype)
         else:
@@ -241,8 +290,10 @@ class FeatureStore:
             raise FeatureStoreError(f"{where}: tensors {sorted(tensors)}, expected {sorted(expected)}")
         for key, (shape, dtype) in expected.items():
             if tuple(tensors[key].shape) != shape or tensors[key].dtype != dtype:
-                raise FeatureStoreError(f"{where}: `{key}` is {tuple(tensors[key].shape)} {tensors[key].dtype}, "
-                                        f"expected {shape} {dtype}")
+                raise FeatureStoreError(
+                    f"{where}: `{key}` is {tuple(tensors[key].shape)} {tensors[key].dtype}, "
+                    f"expected {shape} {dtype}"
+                )
         lengths = torch.tensor(shard["lengths"], dtype=torch.int64)
         if not torch.equal(tensors["offsets"].diff(), lengths) or int(tensors["offsets"][0]) != 0:
             raise FeatureStoreError(f"{where}: `offsets` disagree with the sample lengths in the manifest")
@@ -294,25 +345,46 @@ class FeatureStore:
             path = self.path / shard["file"]
             digest = sha256_file(path)
             if digest != shard["sha256"]:
-                raise FeatureStoreError(f"{path}: sha256 {digest[:12]}..., the manifest records "
-                                        f"{shard['sha256'][:12]}... (corrupted or rewritten); recapture")
+                raise FeatureStoreError(
+                    f"{path}: sha256 {digest[:12]}..., the manifest records "
+                    f"{shard['sha256'][:12]}... (corrupted or rewritten); recapture"
+                )
             self.load_shard(k)
-        log.info("verified %d shards (%d samples, %d tokens) in %s", len(self.shards), len(self), self.num_tokens,
-                 self.path)
+        log.info(
+            "verified %d shards (%d samples, %d tokens) in %s",
+            len(self.shards),
+            len(self),
+            self.num_tokens,
+            self.path,
+        )
 
-    def check_compatible(self, target_name: str, layer_ids: Sequence[int], hidden_size: int, teacher: str,
-                         *, teacher_topk: int | None = None, target_revision: str | None = None) -> None:
+    def check_compatible(
+        self,
+        target_name: str,
+        layer_ids: Sequence[int],
+        hidden_size: int,
+        teacher: str,
+        *,
+        teacher_topk: int | None = None,
+        target_revision: str | None = None,
+    ) -> None:
         """Refuse a store captured for another target, layer set, hidden size or teacher."""
-        wanted = {"target_name": target_name, "layer_ids": [int(i) for i in layer_ids],
-                  "hidden_size": int(hidden_size), "teacher": teacher}
+        wanted = {
+            "target_name": target_name,
+            "layer_ids": [int(i) for i in layer_ids],
+            "hidden_size": int(hidden_size),
+            "teacher": teacher,
+        }
         if teacher_topk is not None:
             wanted["teacher_topk"] = teacher_topk
         if target_revision is not None:
             wanted["target_revision"] = target_revision
         reason = mismatch(self.manifest, wanted)
         if reason is not None:
-            raise FeatureStoreError(f"{self.path}: captured for something else ({reason}); recapture with "
-                                    "stages=[capture] or point training at a matching store")
+            raise FeatureStoreError(
+                f"{self.path}: captured for something else ({reason}); recapture with "
+                "stages=[capture] or point training at a matching store"
+            )
 
     def bytes_per_token(self) -> float:
         return sum(s["bytes"] for s in self.shards) / max(self.num_tokens, 1)

@@ -31,3 +31,15 @@ def export_eagle3(head, fmt: str, out_dir: str | Path, dtype: str = "bfloat16", 
     out = common.write_export(out_dir, converted)
     log.info("exported %s head (%s) to %s", fmt, dtype, out)
     return out
+
+
+def export_mtp(head, fmt: str, out_dir: str | Path, dtype: str = "bfloat16", target_config: Mapping | None = None,
+               target_index: Mapping | None = None) -> Path:
+    """Write an MTP head (anything with `module_state_dicts()` and an MTP config) in layout `fmt`."""
+    if fmt not in MTP_LAYOUTS:
+        raise common.ExportError(f"export format {fmt!r} does not fit an MTP head; expected one of {list(MTP_LAYOUTS)}")
+    modules = [{k: v.detach().cpu() for k, v in m.items()} for m in head.module_state_dicts()]
+    converted = MTP_LAYOUTS[fmt].convert(modules, head.config, dtype, target_config, target_index)
+    out = common.write_export(out_dir, converted)
+    log.info("exported %s head (%s) to %s", fmt, dtype, out)
+    return out

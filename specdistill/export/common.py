@@ -62,8 +62,8 @@ MTP_KEYS = (
 
 `embed_tokens` [V, H] frozen copy of the target's; `enorm`, `hnorm` [H] RMSNorms of the embedding of
 token t+k and of the previous hidden state; `eh_proj` [H, 2H] over cat(enorm(emb), hnorm(hidden));
-`layers.0.*` one Llama decoder block (q/k/v read H); `norm` [H] final norm; `lm_head` [V, H] over the
-full target vocabulary. A head with k separate modules passes a list of k such dicts.
+`layers.0.*` one Llama decoder block (q/k/v read H); `norm` [H] final norm; `lm_head` [V_draft, H].
+A head with k separate modules passes a list of k such dicts (`MTPHead.module_state_dicts()`).
 """
 
 
@@ -73,11 +73,13 @@ class ExportError(ValueError):
 
 @dataclass(frozen=True)
 class MTPDims:
-    """What an MTP layout needs to know beyond the tensors: the block, the vocab, the target depth."""
+    """What an MTP layout needs beyond the tensors (an `MTPConfig` has the same fields and may be passed)."""
 
     arch: HeadArch
     vocab_size: int
     target_num_layers: int
+    draft_vocab_size: int | None = None  # None: the full target vocabulary
+    target_hidden_size: int | None = None  # None: the block's width
 
 
 @dataclass
@@ -125,21 +127,29 @@ def eagle3_shapes(config: Eagle3Config) -> dict[str, tuple[int, ...]]:
 
 def mtp_shapes(dims: MTPDims) -> dict[str, tuple[int, ...]]:
     """Shape of every tensor of one MTP module, under `MTP_KEYS`."""
-    d = dims.arch.hidden_size
+    d, h = dims.arch.hidden_size, dims.target_hidden_size or dims.arch.hidden_size
     return {
         "embed_tokens.weight": (dims.vocab_size, d),
         "enorm.weight": (d,),
-        "hnorm.weight": (d,),
-        "eh_proj.weight": (d, 2 * d),
+        "hnorm.weight": (h,),
+        "eh_proj.weight": (d, d + h),
         **{f"layers.0.{k}": s for k, s in block_shapes(dims.arch, d).items()},
         "norm.weight": (d,),
-        "lm_head.weight": (dims.vocab_size, d),
+        "lm_head.weight": (dims.draft_vocab_size or dims.vocab_size, d),
     }
 
 
-def check_mtp(modules: Sequence[Mapping[str, torch.Tensor]], dims: MTPDims, where: str) -> None:
+def check_mtp(modules: Sequence[Mapping[str, torch.Tensor]], dims: MTPDims, where: str,
+              full_vocab_head: bool) -> None:
+    """Keys and shapes per module; MTP layouts live inside the target, so the block has the target's width."""
     if not modules:
         raise ExportError(f"{where}: no MTP module given; expected a list of one state dict per module")
+    if (dims.target_hidden_size or dims.arch.hidden_size) != dims.arch.hidden_size:
+        raise ExportError(f"{where}: head width {dims.arch.hidden_size} differs from the target's "
+                          f"{dims.target_hidden_size}; MTP layouts hold blocks of the target's width")
+    if full_vocab_head and (dims.draft_vocab_size or dims.vocab_size) != dims.vocab_size:
+        raise ExportError(f"{where}: the head's lm_head covers a draft vocabulary of {dims.draft_vocab_size} "
+                          f"tokens; this layout's loader reads a full-vocabulary head ({dims.vocab_size})")
     for i, state in enumerate(modules):
         check_tensors(state, mtp_shapes(dims), f"{where}, module {i}")
 

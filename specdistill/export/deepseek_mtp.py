@@ -7,7 +7,8 @@ shared_head.norm,shared_head.head,embed_tokens}` plus the block's usual keys, wi
 no engine loads this layout for a Llama-family target today, so this is the key map a future loader
 (or a DeepSeek-family MTP head) uses.
 
-Input: a list of MTP module state dicts under `common.MTP_KEYS`. Our `norm` / `lm_head` become
+Input: a list of MTP module state dicts under `common.MTP_KEYS`; `shared_head.head` is read over the
+full vocabulary, so a head with a pruned draft vocabulary is refused. Our `norm` / `lm_head` become
 `shared_head.norm` / `shared_head.head`; the block's `layers.0.*` keys sit directly under the layer.
 Output: `mtp.safetensors` (MTP tensors only) and config.json = the target's config (when given) with
 `num_nextn_predict_layers`; given the target's `model.safetensors.index.json`, a copy of it with the
@@ -44,7 +45,7 @@ def key_map(layer: int) -> dict[str, str]:
 def convert(modules: Sequence[Mapping[str, torch.Tensor]], dims: common.MTPDims, dtype: str = "bfloat16",
             target_config: Mapping | None = None, target_index: Mapping | None = None) -> common.Converted:
     """Validated DeepSeek-style MTP tensors, config.json and (optionally) the stitched index."""
-    common.check_mtp(modules, dims, f"{NAME} export")
+    common.check_mtp(modules, dims, f"{NAME} export", full_vocab_head=True)
     tensors: dict[str, torch.Tensor] = {}
     for k, state in enumerate(modules):
         tensors |= common.rename(common.cast(state, dtype), key_map(dims.target_num_layers + k))

@@ -39,7 +39,7 @@ REQUIRED_KEYS = tuple(v for v in KEY_MAP.values() if v is not None)
 def convert(modules: Sequence[Mapping[str, torch.Tensor]], dims: common.MTPDims, dtype: str = "bfloat16",
             target_config: Mapping | None = None, target_index: Mapping | None = None) -> common.Converted:
     """Validated Qwen3-Next-style MTP tensors, config.json and (optionally) the stitched index."""
-    common.check_mtp(modules, dims, f"{NAME} export")
+    common.check_mtp(modules, dims, f"{NAME} export", full_vocab_head=False)
     if len(modules) != 1:
         raise common.ExportError(f"{NAME} export: {len(modules)} MTP modules given; this layout holds exactly one "
                                  "(`mtp.fc` and the norms are shared by every MTP step)")

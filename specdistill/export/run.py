@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 
 from specdistill.config import EMBEDDED_TARGET, RANDOM_TARGET, RunConfig
-from specdistill.export import EAGLE3_LAYOUTS, MTP_LAYOUTS, common, export_eagle3
+from specdistill.export import EAGLE3_LAYOUTS, MTP_LAYOUTS, common, export_eagle3, export_mtp
 from specdistill.heads import HEAD_CONFIG, load_head
 
 log = logging.getLogger(__name__)
@@ -25,11 +25,15 @@ def export_checkpoint(ckpt: str | Path, formats: list[str], out: str | Path, dty
                       target: str | None = None) -> dict[str, str]:
     """Write the head in `ckpt` in every format, each into `<out>/<format>/`; returns format -> path."""
     head = load_head(ckpt)
-    unfit = [fmt for fmt in formats if fmt not in EAGLE3_LAYOUTS]
+    layouts = MTP_LAYOUTS if head.config.kind == "mtp" else EAGLE3_LAYOUTS
+    unfit = [fmt for fmt in formats if fmt not in layouts]
     if unfit:  # checked for all formats before any is written
         raise common.ExportError(f"export formats {unfit} do not fit the {head.config.kind} head in {ckpt}; "
-                                 f"EAGLE-3 layouts: {list(EAGLE3_LAYOUTS)}, MTP layouts (MTP heads): {list(MTP_LAYOUTS)}")
-    paths = {fmt: str(export_eagle3(head, fmt, Path(out) / fmt, dtype, target)) for fmt in formats}
+                                 f"EAGLE-3 layouts: {list(EAGLE3_LAYOUTS)}, MTP layouts: {list(MTP_LAYOUTS)}")
+    if layouts is MTP_LAYOUTS:
+        paths = {fmt: str(export_mtp(head, fmt, Path(out) / fmt, dtype)) for fmt in formats}
+    else:
+        paths = {fmt: str(export_eagle3(head, fmt, Path(out) / fmt, dtype, target)) for fmt in formats}
     log.info("exported %s from %s to %s", ", ".join(formats), ckpt, out)
     return paths
 

@@ -15,9 +15,10 @@ from safetensors.torch import load_file
 from specdistill.config import HeadConfig
 from specdistill.heads.eagle3 import Eagle3Config, Eagle3Head
 from specdistill.heads.layers import HeadArch
+from specdistill.heads.mtp import MTPConfig, MTPHead
 from specdistill.io import save_tensors, write_json
 
-HEADS = {"eagle3": (Eagle3Config, Eagle3Head)}
+HEADS = {"eagle3": (Eagle3Config, Eagle3Head), "mtp": (MTPConfig, MTPHead)}
 HEAD_WEIGHTS = "head.safetensors"
 HEAD_CONFIG = "head_config.json"
 
@@ -27,7 +28,10 @@ def arch_from_target(target_config, head_cfg: HeadConfig) -> HeadArch:
     tc = target_config
     heads = head_cfg.num_attention_heads or tc.num_attention_heads
     hidden = head_cfg.hidden_size or tc.hidden_size
-    rope = dict(getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(tc, "rope_theta", 10000.0)})
+    rope = dict(
+        getattr(tc, "rope_parameters", None)
+        or {"rope_type": "default", "rope_theta": getattr(tc, "rope_theta", 10000.0)}
+    )
     return HeadArch(
         hidden_size=hidden,
         intermediate_size=head_cfg.intermediate_size or tc.intermediate_size,
@@ -43,28 +47,38 @@ def arch_from_target(target_config, head_cfg: HeadConfig) -> HeadArch:
 def build_head(head_cfg: HeadConfig, target, d2t: torch.Tensor, t2d: torch.Tensor):
     """A new head sized for `target`, with the target's embedding (and lm_head rows) copied in."""
     if head_cfg.kind not in HEADS:
-        raise ValueError(f"config field `head.kind`: {head_cfg.kind!r} is not built yet; available: {list(HEADS)}")
+        raise ValueError(
+            f"config field `head.kind`: {head_cfg.kind!r} is not built yet; available: {list(HEADS)}"
+        )
     config_cls, head_cls = HEADS[head_cfg.kind]
     tc = target.config
+    extra = {"num_modules": head_cfg.mtp_num_modules} if head_cfg.kind == "mtp" else {}
     config = config_cls(
-        arch=arch_from_target(tc, head_cfg), vocab_size=tc.vocab_size, draft_vocab_size=len(d2t),
-        target_hidden_size=tc.hidden_size, aux_layer_ids=list(target.layer_ids), target_num_layers=tc.num_hidden_layers,
+        arch=arch_from_target(tc, head_cfg),
+        vocab_size=tc.vocab_size,
+        draft_vocab_size=len(d2t),
+        target_hidden_size=tc.hidden_size,
+        aux_layer_ids=list(target.layer_ids),
+        target_num_layers=tc.num_hidden_layers,
+        **extra,
     )
     head = head_cls(config)
-    lm_head = target.model.get_output_embeddings().weight if head_cfg.init_lm_head_from_target else None
-    if config.arch.hidden_size != tc.hidden_size:
-        lm_head = None  # rows of another width cannot be copied; the embedding stays trainable-size random
-        head.d2t.copy_(d2t)
-        head.t2d.copy_(t2d)
-    else:
-        head.init_from_target(target.model.get_input_embeddings().weight.float(),
-                              None if lm_head is None else lm_head.float(), d2t, t2d)
+    same_width = config.arch.hidden_size == tc.hidden_size  # else the head learns its own embedding
+    embed = target.model.get_input_embeddings().weight.float() if same_width else None
+    lm_head = (
+        target.model.get_output_embeddings().weight.float()
+        if same_width and head_cfg.init_lm_head_from_target
+        else None
+    )
+    head.init_from_target(embed, lm_head, d2t, t2d)
     return head
 
 
 def save_head(head, directory: str | Path) -> None:
     directory = Path(directory)
-    save_tensors(directory / HEAD_WEIGHTS, {k: v.detach().cpu() for k, v in head.trainable_state_dict().items()})
+    save_tensors(
+        directory / HEAD_WEIGHTS, {k: v.detach().cpu() for k, v in head.trainable_state_dict().items()}
+    )
     write_json(directory / HEAD_CONFIG, head.config.to_dict())
 
 

@@ -33,10 +33,14 @@ class HeadArch:
 
     def llama_config(self) -> LlamaConfig:
         return LlamaConfig(
-            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
-            max_position_embeddings=self.max_position_embeddings, rope_parameters=dict(self.rope_parameters),
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_parameters=dict(self.rope_parameters),
         )
 
 

@@ -35,15 +35,15 @@ class Drafter:
         self.k_BKSE = self.v_BKSE = None
         self.root_hidden_BD = None
 
-    def _target_logprobs(self, hidden) -> torch.Tensor:
+    def _target_logprobs(self, hidden, depth: int) -> torch.Tensor:
         """Head log-probs over the draft vocab, placed in target-vocab ids (-inf elsewhere)."""
-        logp = torch.log_softmax(self.head.logits(hidden).float(), -1)
+        logp = torch.log_softmax(self.head.logits(hidden, depth).float(), -1)
         out = torch.full((*logp.shape[:-1], self.target_vocab), float("-inf"), device=logp.device)
         out[..., self.draft_ids] = logp
         return out
 
     @torch.inference_mode()
-    def extend(self, aux_BTA, next_tokens_BT, start: int) -> torch.Tensor:
+    def extend(self, aux_BTA, last_BTH, next_tokens_BT, start: int) -> torch.Tensor:
         """Append committed entries for positions start..start+T-1; return the root's child log-probs."""
         B, T = next_tokens_BT.shape
         positions = torch.arange(start, start + T, device=aux_BTA.device).expand(B, T)
@@ -57,10 +57,10 @@ class Drafter:
             self.v_BKSE = v if prev_v is None else torch.cat([prev_v, v], 2)
             return cached_attention(q, self.attn.expand_kv(self.k_BKSE), self.attn.expand_kv(self.v_BKSE), mask)
 
-        hidden = self.head.step(next_tokens_BT, self.head.initial_hidden(aux_BTA), positions, attend)
+        hidden = self.head.step(next_tokens_BT, self.head.initial_hidden(aux_BTA, last_BTH), positions, attend)
         self.root_hidden_BD = hidden[:, -1]
         self.tree_k, self.tree_v, self.tree_hidden, self.tree_anc = [], [], None, None
-        return self._target_logprobs(self.root_hidden_BD)
+        return self._target_logprobs(self.root_hidden_BD, 0)
 
     @torch.inference_mode()
     def step(self, tokens_BK, parent_BK, depth: int) -> torch.Tensor:
@@ -91,14 +91,14 @@ class Drafter:
             self.tree_v.append(v)
             return cached_attention(q, self.attn.expand_kv(keys), self.attn.expand_kv(values), mask)
 
-        hidden = self.head.step(tokens_BK, hidden_in, positions, attend)
+        hidden = self.head.step(tokens_BK, hidden_in, positions, attend, depth=depth)
         self.tree_hidden = hidden
         grown = torch.zeros(B, F + K, F + K, dtype=torch.bool, device=dev)
         if F:
             grown[:, :F, :F] = self.tree_anc
         grown[:, F:, :F] = anc_new
         self.tree_anc = grown
-        return self._target_logprobs(hidden)
+        return self._target_logprobs(hidden, depth)
 
 
 @dataclass
@@ -138,7 +138,7 @@ def speculative_generate(runner: TargetRunner, drafter: Drafter, prompt_ids: lis
     n = ids.shape[1]
     stats.verify_s += time.perf_counter() - t0
     t0 = time.perf_counter()
-    root_logp = drafter.extend(out.aux_BTA, torch.cat([ids[:, 1:], root[:, None]], 1), 0)
+    root_logp = drafter.extend(out.aux_BTA, out.last_BTH, torch.cat([ids[:, 1:], root[:, None]], 1), 0)
     stats.draft_s += time.perf_counter() - t0
     stats.tokens.append(int(root))
     while not _stop(stats.tokens, eos, max_new_tokens):
@@ -160,7 +160,8 @@ def speculative_generate(runner: TargetRunner, drafter: Drafter, prompt_ids: lis
         stats.verify_s += time.perf_counter() - t0
         t0 = time.perf_counter()
         aux = out.aux_BTA.gather(1, path[..., None].expand(1, m + 1, out.aux_BTA.shape[-1]))
-        drafter_logp = drafter.extend(aux, new_tokens, n)
+        last = out.last_BTH.gather(1, path[..., None].expand(1, m + 1, out.last_BTH.shape[-1]))
+        drafter_logp = drafter.extend(aux, last, new_tokens, n)
         stats.draft_s += time.perf_counter() - t0
         stats.accepted.append(m)
         stats.tokens.extend(int(t) for t in new_tokens[0])

@@ -76,8 +76,8 @@ def unroll_ttt(head, batch: TTTBatch, teacher: TeacherTargets, steps: int, step_
     stats = torch.zeros(4, steps, dtype=torch.float64)
     for j in range(steps):
         # 2. step j reads token x[t+1+j] and the previous step's hidden, at position t+j
-        hidden = head.step(shift_left(ids, 1 + j), hidden, positions + j, attend)
-        logits = head.logits(hidden)
+        hidden = head.step(shift_left(ids, 1 + j), hidden, positions + j, attend, depth=j)
+        logits = head.logits(hidden, depth=j)
         # 3. its target is the teacher at t+1+j predicting x[t+2+j]; mask loss, padding and coverage
         target_logp = shift_left(teacher.logp_BTV, 1 + j)
         counted = (shift_left(batch.loss_mask_BT, 2 + j) > 0) & shift_left(valid, 2 + j, False) & valid

@@ -59,7 +59,8 @@ def build_tree_tensors(
     return mask_BNN, packed_BNW, positions_BN, retrieve_index_BN, next_token_BN, next_sibling_BN
 
 
-def _empty_verdict(B: int, num_slots: int, device) -> tuple[Tensor, Tensor, Tensor]:
+def empty_verdict(B: int, num_slots: int, device) -> tuple[Tensor, Tensor, Tensor]:
+    """(accept_nodes_BS with only the root, accept_len_B = 0, out_tokens_BS all -1): what kernels fill in."""
     accept_nodes_BS = torch.full((B, num_slots), NONE, dtype=torch.long, device=device)
     accept_nodes_BS[:, 0] = 0
     out_tokens_BS = torch.full((B, num_slots), NONE, dtype=torch.long, device=device)
@@ -74,7 +75,7 @@ def greedy_verify(
     at the last accepted node. Returns (accept_nodes_BS, accept_len_B, out_tokens_BS), padded with -1."""
     B = tokens_BN.shape[0]
     rows_B = torch.arange(B, device=tokens_BN.device)
-    accept_nodes_BS, accept_len_B, out_tokens_BS = _empty_verdict(B, num_slots, tokens_BN.device)
+    accept_nodes_BS, accept_len_B, out_tokens_BS = empty_verdict(B, num_slots, tokens_BN.device)
     current_B = torch.zeros(B, dtype=torch.long, device=tokens_BN.device)
     candidate_B = next_token_BN[:, 0].clone()
     active_B = candidate_B >= 0
@@ -127,7 +128,7 @@ def rejection_sample(
     B, N, V = target_probs_BNV.shape
     device = tokens_BN.device
     rows_B = torch.arange(B, device=device)
-    accept_nodes_BS, accept_len_B, out_tokens_BS = _empty_verdict(B, num_slots, device)
+    accept_nodes_BS, accept_len_B, out_tokens_BS = empty_verdict(B, num_slots, device)
     p_BV = target_probs_BNV[:, 0].float().clone()
     q_BV = draft_probs_BNV[:, 0].float().clone() if draft_probs_BNV is not None else None
     candidate_B = next_token_BN[:, 0].clone()

@@ -16,8 +16,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-NONE = -1
+from specdistill.spec.kernels.reference import empty_verdict
+
 VOCAB_BLOCK = 1024  # vocabulary columns per step of the rejection sampler's row passes
+# Inside kernels "no such node" is the literal -1 (reference.NONE): Triton reads only constexpr globals.
 
 
 def _block(n: int, at_least: int = 16) -> int:
@@ -58,11 +60,11 @@ def _build_tree_kernel(
     tl.store(index_ptr + row + i, (row + i).to(tl.int64))
 
     first_child = tl.min(tl.where(parents == i, offs, N), axis=0)
-    tl.store(next_token_ptr + row + i, tl.where(first_child == N, NONE, first_child).to(tl.int64))
+    tl.store(next_token_ptr + row + i, tl.where(first_child == N, -1, first_child).to(tl.int64))
     my_parent = tl.load(parents_ptr + row + i)
     later_sibling = (parents == my_parent) & (offs > i) & (my_parent >= 0)
     sibling = tl.min(tl.where(later_sibling, offs, N), axis=0)
-    tl.store(next_sibling_ptr + row + i, tl.where(sibling == N, NONE, sibling).to(tl.int64))
+    tl.store(next_sibling_ptr + row + i, tl.where(sibling == N, -1, sibling).to(tl.int64))
 
 
 def build_tree_tensors(
@@ -109,18 +111,11 @@ def _greedy_verify_kernel(
     tl.store(length_ptr + b, length)
 
 
-def _empty_verdict(B: int, num_slots: int, device) -> tuple[Tensor, Tensor, Tensor]:
-    accept_nodes_BS = torch.full((B, num_slots), NONE, dtype=torch.long, device=device)
-    accept_nodes_BS[:, 0] = 0
-    out_tokens_BS = torch.full((B, num_slots), NONE, dtype=torch.long, device=device)
-    return accept_nodes_BS, torch.zeros(B, dtype=torch.long, device=device), out_tokens_BS
-
-
 def greedy_verify(
     tokens_BN: Tensor, next_token_BN: Tensor, next_sibling_BN: Tensor, target_argmax_BN: Tensor, num_slots: int
 ) -> tuple[Tensor, Tensor, Tensor]:
     B, N = tokens_BN.shape
-    accept_nodes_BS, accept_len_B, out_tokens_BS = _empty_verdict(B, num_slots, tokens_BN.device)
+    accept_nodes_BS, accept_len_B, out_tokens_BS = empty_verdict(B, num_slots, tokens_BN.device)
     _greedy_verify_kernel[(B,)](
         tokens_BN.contiguous(), next_token_BN.contiguous(), next_sibling_BN.contiguous(),
         target_argmax_BN.contiguous(), accept_nodes_BS, accept_len_B, out_tokens_BS, N, num_slots,
@@ -225,7 +220,7 @@ def rejection_sample(
 ) -> tuple[Tensor, Tensor, Tensor]:
     B, N, V = target_probs_BNV.shape
     device = tokens_BN.device
-    accept_nodes_BS, accept_len_B, out_tokens_BS = _empty_verdict(B, num_slots, device)
+    accept_nodes_BS, accept_len_B, out_tokens_BS = empty_verdict(B, num_slots, device)
     p_BV = torch.empty((B, V), dtype=torch.float32, device=device)
     q_BV = torch.empty((B, V), dtype=torch.float32, device=device) if draft_probs_BNV is not None else p_BV
     target_probs_BNV = target_probs_BNV.contiguous()

@@ -1,0 +1,58 @@
+"""What every draft head shares: the frozen target embedding, the draft-vocab lm_head, d2t / t2d."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import torch
+from torch import nn
+
+from specdistill.heads.layers import HeadArch
+
+
+class HeadConfigMixin:
+    """(De)serialisation of a head config dataclass holding a nested HeadArch."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        d = dict(d)
+        d["arch"] = HeadArch(**d["arch"])
+        return cls(**d)
+
+
+class DraftHead(nn.Module):
+    def __init__(self, vocab_size: int, draft_vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.lm_head = nn.Linear(hidden_size, draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(vocab_size, dtype=torch.bool))
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    @torch.no_grad()
+    def init_from_target(
+        self,
+        embed_weight: torch.Tensor | None,
+        lm_head_weight: torch.Tensor | None,
+        d2t: torch.Tensor,
+        t2d: torch.Tensor,
+    ) -> None:
+        """Copy the frozen target embedding (and optionally its lm_head rows of the draft vocab)."""
+        if embed_weight is None:
+            self.embed_tokens.weight.requires_grad_(True)  # another width than the target: learn it
+        else:
+            self.embed_tokens.weight.copy_(embed_weight)
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+        if lm_head_weight is not None:
+            self.lm_head.weight.copy_(lm_head_weight[torch.arange(len(d2t)) + d2t])
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """Everything but the rotary cache (the frozen embedding is kept: engines may read it)."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("rotary.")}
