@@ -56,7 +56,7 @@ class SynthConfig:
     question_top_p: float = 0.95
     min_question_chars: int = 12
     answer_max_tokens: int = 192
-    batch_size: int = 32
+    batch_size: int = 64  # rows decoded together; a CPU decode step costs about the same for 32 or 64
 
 
 @dataclass
@@ -74,6 +74,8 @@ class GenerationConfig:
     concurrency: int = 8
     timeout_s: float = 120.0
     max_retries: int = 3
+    retry_backoff_s: float = 1.0  # first retry delay; doubles per retry
+    chunk_rows: int = 1024  # rows regenerated between cache writes (a killed run loses at most this much)
 
 
 @dataclass
@@ -93,6 +95,7 @@ class DataConfig:
     draft_vocab_size: int = 8192
     max_reject_share: float = 0.2
     num_proc: int = 1
+    streaming: bool = False  # read hf sources lazily (sets larger than memory)
 
 
 @dataclass
@@ -129,6 +132,7 @@ class TrainConfig:
     epochs: float = 3.0
     max_steps: int | None = None
     batch_tokens: int = 2048  # tokens per micro-batch (packed)
+    batching: str = "bucket"  # bucket: one sample per row, similar lengths | pack: documents share a row
     grad_accum: int = 1
     grad_clip: float = 0.5
     deepspeed: str | None = None  # null | zero2 | zero3 (a file under conf/deepspeed/)
@@ -149,14 +153,38 @@ class TreeConfig:
 
 
 @dataclass
+class AdviceConfig:
+    """The roofline cost model behind the serving advice (defaults: an H200, bf16 weights)."""
+
+    gpu: str = "H200"
+    peak_tflops: float = 989.0  # dense bf16 tensor-core peak (H100 SXM: 989 as well)
+    memory_tbps: float = 4.8  # HBM bandwidth (H100 SXM: 3.35)
+    launch_us: float = 8.0  # fixed cost per forward (kernel launches, scheduling)
+    bytes_per_param: float = 2.0
+    context_len: int = 2048
+    batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256])
+
+
+@dataclass
 class EvalConfig:
-    bench: str = "spec_bench"  # a packaged benchmark name or a jsonl path
+    bench: str = "spec_bench"  # a packaged benchmark name, a jsonl path or hf:<name or dir>:<split>:<column>
     limit: int = 16
     max_new_tokens: int = 128
+    max_turns: int = 1  # >1: later turns follow the target's own plain-decoding answers
     temperature: float = 0.0
+    top_k: int = 0  # sampling only; 0: no top-k cut
+    top_p: float = 1.0
+    rejection: str = "target_only"  # temperature > 0: target_only (dynamic tree) | multi_candidate (sampled tree)
+    branching: list[int] = field(default_factory=lambda: [4, 2, 2, 1, 1, 1])  # children per depth, sampled tree
     batch_size: int = 1
     tree: TreeConfig = field(default_factory=TreeConfig)
+    baselines: list[str] = field(default_factory=lambda: ["prompt_lookup", "chain"])
+    lookup_tokens: int = 5  # prompt lookup: draft chain length
+    lookup_max_ngram: int = 3
+    loop_limit: int = 4  # in-training tau: held-out prompts and tokens per prompt
+    loop_max_new_tokens: int = 32
     kernels: str = "auto"  # auto | torch | triton
+    advice: AdviceConfig = field(default_factory=AdviceConfig)
 
 
 @dataclass
@@ -247,6 +275,11 @@ def validate(cfg: RunConfig) -> None:
     _check(len(cfg.train.betas) == 2, "train.betas", "expected two numbers")
     _check(cfg.train.batch_tokens >= 16, "train.batch_tokens", "must be at least 16")
     _check(cfg.train.grad_accum >= 1, "train.grad_accum", "must be at least 1")
+    _choice(cfg.train.batching, ("bucket", "pack"), "train.batching")
+    _check(cfg.train.ckpt_every >= 1, "train.ckpt_every", "must be at least 1")
+    _check(cfg.train.keep_last >= 1, "train.keep_last", "must be at least 1")
+    _check(cfg.train.eval_every >= 0, "train.eval_every", "must be >= 0 (0: off)")
+    _check(cfg.train.max_bad_steps >= 1, "train.max_bad_steps", "must be at least 1")
     if cfg.train.deepspeed is not None:
         _choice(cfg.train.deepspeed, ("zero2", "zero3"), "train.deepspeed")
     _choice(cfg.train.mixed_precision, ("auto", "no", "bf16", "fp16"), "train.mixed_precision")
@@ -257,6 +290,29 @@ def validate(cfg: RunConfig) -> None:
     _check(cfg.eval.limit >= 1, "eval.limit", "must be at least 1")
     _check(cfg.eval.temperature >= 0, "eval.temperature", "must be >= 0")
     _choice(cfg.eval.kernels, ("auto", "torch", "triton"), "eval.kernels")
+    _check(cfg.eval.max_new_tokens >= 1, "eval.max_new_tokens", "must be at least 1")
+    _check(cfg.eval.max_turns >= 1, "eval.max_turns", "must be at least 1")
+    _check(cfg.eval.batch_size >= 1, "eval.batch_size", "must be at least 1")
+    _check(cfg.eval.top_k >= 0, "eval.top_k", "must be >= 0")
+    _check(0.0 < cfg.eval.top_p <= 1.0, "eval.top_p", "must be in (0, 1]")
+    _choice(cfg.eval.rejection, ("target_only", "multi_candidate"), "eval.rejection")
+    _check(len(cfg.eval.branching) > 0 and min(cfg.eval.branching) >= 1, "eval.branching",
+           f"expected a non-empty list of positive ints, got {cfg.eval.branching}")
+    for baseline in cfg.eval.baselines:
+        _choice(baseline, ("prompt_lookup", "chain"), "eval.baselines")
+    _check(cfg.eval.lookup_tokens >= 1 and cfg.eval.lookup_max_ngram >= 1, "eval.lookup_tokens",
+           "lookup_tokens and lookup_max_ngram must be at least 1")
+    _check(cfg.eval.loop_limit >= 1 and cfg.eval.loop_max_new_tokens >= 1, "eval.loop_limit",
+           "loop_limit and loop_max_new_tokens must be at least 1")
+    total = tree.topk + (tree.depth - 1) * tree.topk ** 2
+    _check(tree.num_draft_tokens <= total, "eval.tree.num_draft_tokens",
+           f"{tree.num_draft_tokens} exceeds what depth {tree.depth} and topk {tree.topk} can grow ({total})")
+    adv = cfg.eval.advice
+    _check(adv.peak_tflops > 0 and adv.memory_tbps > 0, "eval.advice", "peak_tflops and memory_tbps must be positive")
+    _check(adv.context_len >= 1 and adv.bytes_per_param > 0, "eval.advice.context_len",
+           "context_len and bytes_per_param must be positive")
+    _check(len(adv.batch_sizes) > 0 and min(adv.batch_sizes) >= 1, "eval.advice.batch_sizes",
+           f"expected positive batch sizes, got {adv.batch_sizes}")
     for fmt in cfg.export.formats:
         _choice(fmt, ("sglang", "vllm", "speculators", "trtllm", "deepseek_mtp", "qwen3_next_mtp"), "export.formats")
     _choice(cfg.export.dtype, ("bfloat16", "float16", "float32"), "export.dtype")

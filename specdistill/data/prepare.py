@@ -29,7 +29,16 @@ import torch
 from specdistill.config import RunConfig
 from specdistill.data.cache import ConversationCache, content_key
 from specdistill.data.generate import LocalGenerator
+from specdistill.data.openai_client import OpenAIBackend
+from specdistill.data.regenerate import (
+    LocalBackend,
+    rank_and_world,
+    regenerate_rows,
+    row_key,
+    sampling_params,
+)
 from specdistill.data.rejects import RejectLog, RowError
+from specdistill.data.sources import read_conversations
 from specdistill.data.synth import synthesize
 from specdistill.data.template import ChatFormat
 from specdistill.data.vocab import DraftVocab, build_draft_vocab, count_tokens
@@ -97,19 +106,27 @@ def run(cfg: RunConfig, target) -> dict:
     if done is not None:
         log.info("prepare: %s is complete (%d samples); skipping", data_dir, done["samples"])
         return done
+    rank, world = rank_and_world()
     timings: dict[str, float] = {}
     t0 = time.time()
     tgt: Target = target.get()
     chat = ChatFormat(tgt.tokenizer)
-    cache = ConversationCache(data_dir / "cache")
+    cache = ConversationCache(data_dir / "cache", rank)
     timings["load_target_s"] = time.time() - t0
 
     t0 = time.time()
-    generator = LocalGenerator(generation_model(tgt, cfg.data.generation.dtype), tgt.tokenizer.pad_token_id,
-                               chat.stop_token_ids(), cfg.data.synth.batch_size, num_tokens=len(tgt.tokenizer))
-    conversations, gen_rejects = synthesize(generator, chat, cfg.data.synth, cfg.data.generation, cache,
-                                            cfg.target.name, cfg.seed)
-    total_rows = len(conversations)
+    if cfg.data.source == "synth":
+        if rank != 0:  # synthesis is one sampling stream; the other ranks wait for its result
+            return _wait_for_rank0(data_dir)
+        conversations, collect_rejects = synthesize(_local_generator(cfg, tgt, chat, cfg.data.synth.batch_size), chat,
+                                                    cfg.data.synth, cfg.data.generation, cache, cfg.target.name,
+                                                    cfg.seed)
+        total_rows, counted = len(conversations), RejectLog()  # synthesis filters are not bad input
+    else:
+        conversations, collect_rejects, total_rows = collect_from_sources(cfg, tgt, chat, cache, rank, world)
+        counted = collect_rejects
+        if rank != 0:
+            return _wait_for_rank0(data_dir)
     timings["conversations_s"] = time.time() - t0
 
     t0 = time.time()
@@ -122,17 +139,75 @@ def run(cfg: RunConfig, target) -> dict:
     timings["vocab_s"] = time.time() - t0
 
     rejects = RejectLog()
-    rejects.extend(gen_rejects)
-    rejects.extend(tok_rejects)
+    for part in (collect_rejects, tok_rejects):
+        rejects.extend(part)
     rejects.write(data_dir / "rejects.jsonl")
-    tok_rejects.check_share(total_rows, cfg.data.max_reject_share, data_dir / "rejects.jsonl")
+    failing = RejectLog()
+    for part in (counted, tok_rejects):
+        failing.extend(part)
+    failing.check_share(total_rows, cfg.data.max_reject_share, data_dir / "rejects.jsonl")
     _save_samples(samples, data_dir / "samples")
     vocab.save(data_dir / "vocab.safetensors")
     summary = _summary(cfg, want, samples, vocab, rejects, total_rows, timings)
     write_json(data_dir / "summary.json", summary)
     log.info("prepare: %d samples, %d loss tokens, draft vocab %d covers %.1f%%; wrote %s",
              summary["samples"], summary["loss_tokens"], vocab.size, 100 * vocab.coverage, data_dir)
+    if world > 1:
+        torch.distributed.barrier()
     return summary
+
+
+def _wait_for_rank0(data_dir: Path) -> dict:
+    torch.distributed.barrier()
+    return json.loads((data_dir / "summary.json").read_text())
+
+
+def _local_generator(cfg: RunConfig, tgt: Target, chat: ChatFormat, batch_size: int) -> LocalGenerator:
+    return LocalGenerator(generation_model(tgt, cfg.data.generation.dtype), tgt.tokenizer.pad_token_id,
+                          chat.stop_token_ids(), batch_size, num_tokens=len(tgt.tokenizer))
+
+
+def collect_from_sources(cfg: RunConfig, tgt: Target, chat: ChatFormat, cache: ConversationCache, rank: int,
+                         world: int) -> tuple[list[dict], RejectLog, int]:
+    """Read the configured sources and, with `data.regenerate`, have the target rewrite the answers.
+
+    Returns the conversations (in source order), the rejected rows, and the number of rows read."""
+    data, generation = cfg.data, cfg.data.generation
+    rejects, good = RejectLog(), []
+    rows = read_conversations([data.path, *data.mix], data.format, data.split, data.streaming, data.limit)
+    total = 0
+    for item in rows:
+        total += 1
+        if item.error is not None:
+            rejects.add(item.source, item.position, item.error)
+        else:
+            good.append(item)
+    if not data.regenerate:
+        return [{"messages": r.row["messages"],
+                 "provenance": {"source": r.source, "row": r.position, "target": cfg.target.name,
+                                "regenerated": False}} for r in good], rejects, total
+    params = sampling_params(generation, generation.backend)
+    if generation.backend == "openai":
+        backend = OpenAIBackend(generation, cfg.target.name)
+    else:
+        backend = LocalBackend(_local_generator(cfg, tgt, chat, generation.batch_size), chat, generation, cfg.seed)
+    failed = regenerate_rows(good, backend, cache, params, cfg.target.name, generation.chunk_rows, rank, world)
+    if world > 1:
+        torch.distributed.barrier()  # every rank's share is in the cache
+        cache.reload()
+    failures = {(r["source"], r["position"]): r for r in failed.rows}
+    conversations = []
+    for r in good:
+        entry = cache.get(row_key(r.row["messages"], params, cfg.target.name))
+        if entry is None:
+            known = failures.get((r.source, r.position))
+            rejects.add(r.source, r.position, RowError(known["reason"], known["detail"]) if known else
+                        RowError("regeneration_failed", "no regenerated answer (see the other ranks' logs)"))
+            continue
+        conversations.append({"messages": entry["messages"],
+                              "provenance": {"source": r.source, "row": r.position, "target": cfg.target.name,
+                                             "regenerated": True, "sampling": params}})
+    return conversations, rejects, total
 
 
 def _tokenize_row(row: dict, chat: ChatFormat, max_length: int, overlong: str, last_turn_only: bool) -> dict:

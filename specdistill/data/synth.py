@@ -3,8 +3,8 @@ answers it, so the data is exactly what the target itself would say.
 
 Questions are sampled (their variety is the data's variety), answers are generated with the
 configured generation settings (greedy by default). Empty, too-short and duplicate questions are
-rejected; batches continue until enough unique conversations exist, with a cap on attempts.
-Every batch is cached, so a killed run resumes without generating anything twice.
+rejected; attempts continue until enough unique conversations exist, with a cap on attempts.
+Every attempt is cached, so a killed run resumes without generating anything twice.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from specdistill.data.template import ChatFormat
 
 log = logging.getLogger(__name__)
 
-MAX_BATCHES_PER_NEEDED = 4  # cap: at most 4x the batches that would do without any reject, plus 2
+MAX_ATTEMPTS_PER_NEEDED = 4  # cap: at most 4x the attempts that would do without any reject, plus 2
 
 
 def normalized(text: str) -> str:
@@ -47,34 +47,39 @@ def synthesize(generator: LocalGenerator, chat: ChatFormat, synth: SynthConfig, 
     conversations: list[dict] = []
     rejects = RejectLog()
     seen: set[str] = set()
-    max_batches = MAX_BATCHES_PER_NEEDED * math.ceil(synth.num_conversations / synth.batch_size) + 2
-    for attempt in range(max_batches):
+    # An attempt samples up to two batches of questions (a little more than needed, for rejects) and
+    # answers them in one continuously batched call; each attempt is one cache entry.
+    chunk = 2 * synth.batch_size
+    max_attempts = MAX_ATTEMPTS_PER_NEEDED * math.ceil(synth.num_conversations / chunk) + 2
+    for attempt in range(max_attempts):
         needed = synth.num_conversations - len(conversations)
         if needed <= 0:
             break
-        key = content_key("synth", target_name, params, seed, attempt, needed)
+        asked = min(chunk, needed + needed // 8 + 1)
+        key = content_key("synth", target_name, params, seed, attempt, asked, needed)
         batch = cache.get(key)
         if batch is None:
             batch = _synth_batch(generator, chat, prefix_ids, synth, generation, target_name, seed, attempt,
-                                 needed, seen)
+                                 asked, needed, seen)
             cache.put(key, batch)
         for kept in batch["conversations"]:
             seen.add(normalized(kept["messages"][0]["content"]))
             conversations.append(kept)
         for rejected in batch["rejects"]:
             rejects.add("synth", rejected["position"], RowError(rejected["reason"], rejected["detail"]))
-        log.info("synthesis batch %d: %d conversations so far (%d needed)", attempt, len(conversations),
+        log.info("synthesis attempt %d: %d of %d conversations", attempt, len(conversations),
                  synth.num_conversations)
     if len(conversations) < synth.num_conversations:
-        log.warning("synthesis stopped after %d batches with %d of %d conversations (rejects: %s)", max_batches,
+        log.warning("synthesis stopped after %d attempts with %d of %d conversations (rejects: %s)", max_attempts,
                     len(conversations), synth.num_conversations, rejects.by_reason())
     return conversations, rejects
 
 
-def _synth_batch(generator, chat, prefix_ids, synth, generation, target_name, seed, attempt, needed, seen) -> dict:
-    """One batch: sample questions, filter them, answer up to `needed` of them."""
+def _synth_batch(generator, chat, prefix_ids, synth, generation, target_name, seed, attempt, asked, needed,
+                 seen) -> dict:
+    """One attempt: sample `asked` questions, filter them, answer up to `needed` of them."""
     tokenizer = chat.tokenizer
-    questions = generator.generate([prefix_ids] * synth.batch_size, synth.question_max_tokens,
+    questions = generator.generate([prefix_ids] * asked, synth.question_max_tokens,
                                    temperature=synth.question_temperature, top_p=synth.question_top_p,
                                    seed=seed * 1_000_003 + attempt, desc=f"questions {attempt}")
     batch_seen = set(seen)
@@ -84,7 +89,7 @@ def _synth_batch(generator, chat, prefix_ids, synth, generation, target_name, se
         try:
             check_question(text, synth.min_question_chars, batch_seen)
         except RowError as err:
-            rejects.append({"position": f"batch {attempt} row {row}", "reason": err.reason, "detail": err.detail})
+            rejects.append({"position": f"attempt {attempt} row {row}", "reason": err.reason, "detail": err.detail})
             continue
         batch_seen.add(normalized(text))
         accepted.append((row, text, q.finished))
@@ -96,12 +101,12 @@ def _synth_batch(generator, chat, prefix_ids, synth, generation, target_name, se
     for (row, text, q_finished), answer in zip(accepted, answers):
         reply = tokenizer.decode(answer.token_ids, skip_special_tokens=True).strip()
         if not reply:
-            rejects.append({"position": f"batch {attempt} row {row}", "reason": "empty_answer",
+            rejects.append({"position": f"attempt {attempt} row {row}", "reason": "empty_answer",
                             "detail": "the target's answer is empty"})
             continue
         conversations.append({
             "messages": [{"role": "user", "content": text}, {"role": "assistant", "content": reply}],
-            "provenance": {"source": "synth", "row": f"batch {attempt} row {row}", "target": target_name,
+            "provenance": {"source": "synth", "row": f"attempt {attempt} row {row}", "target": target_name,
                            "question_finished": q_finished, "answer_finished": answer.finished,
                            "question_sampling": {"temperature": synth.question_temperature,
                                                  "top_p": synth.question_top_p,

@@ -1,4 +1,10 @@
-"""Benchmark prompts: the packaged Spec-Bench questions or any jsonl with `turns`, `prompt` or `messages`."""
+"""Benchmark prompts: the packaged Spec-Bench questions, any jsonl with `turns`, `prompt` or `messages`,
+or a column of a local HF dataset (`hf:<name or dir>:<split>:<column>`).
+
+An item is the list of its user turns. The evaluated slice is `limit` items spread evenly over the
+file (Spec-Bench groups rows by category); `held_out_prompts` gives rows outside that slice, for the
+in-training evaluation, so a head is never chosen on the prompts it is finally scored on.
+"""
 
 from __future__ import annotations
 
@@ -7,24 +13,88 @@ from pathlib import Path
 from specdistill.io import read_jsonl
 
 PACKAGED = {"spec_bench": Path(__file__).parent / "benchmarks" / "spec_bench.jsonl"}
+HF_PREFIX = "hf:"
 
 
-def first_user_turn(row: dict, where: str) -> str:
-    if "turns" in row and row["turns"]:
-        return row["turns"][0]
-    if "prompt" in row:
-        return row["prompt"]
-    for m in row.get("messages", []):
-        if m.get("role") == "user":
-            return m["content"]
-    raise ValueError(f"{where}: expected a `turns`, `prompt` or `messages` field, got keys {sorted(row)}")
+def user_turns(value, where: str) -> list[str]:
+    """The user turns of one row (a dict with `turns` / `prompt` / `messages`) or one column value
+    (a string, a list of strings, or a list of chat messages)."""
+    if isinstance(value, dict):
+        for key in ("turns", "prompt", "messages"):
+            if value.get(key):
+                return user_turns(value[key], f"{where}: field `{key}`")
+        raise ValueError(f"{where}: expected a non-empty `turns`, `prompt` or `messages` field, got keys {sorted(value)}")
+    if isinstance(value, str) and value.strip():
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(t, str) for t in value):
+        return list(value)
+    if isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
+        turns = [m.get("content") for m in value if m.get("role") == "user"]
+        if turns and all(isinstance(t, str) for t in turns):
+            return turns
+    raise ValueError(f"{where}: expected a prompt string, a list of turns or chat messages with user turns, "
+                     f"got {type(value).__name__} {str(value)[:80]!r}")
 
 
-def load_prompts(bench: str, limit: int) -> list[str]:
-    """`limit` first-turn prompts spread evenly over the file (Spec-Bench groups rows by category)."""
+def _hf_rows(spec: str) -> list[list[str]]:
+    """`hf:<name or dir>:<split>:<column>`, loaded from the local disk or HF cache only."""
+    parts = spec[len(HF_PREFIX):].rsplit(":", 2)
+    if len(parts) != 3 or not all(parts):
+        raise ValueError(f"benchmark {spec!r}: expected hf:<name or dir>:<split>:<column>")
+    name, split, column = parts
+    import datasets
+
+    try:
+        if (Path(name) / "dataset_dict.json").exists() or (Path(name) / "state.json").exists():
+            data = datasets.load_from_disk(name)
+            data = data[split] if isinstance(data, datasets.DatasetDict) else data
+        else:
+            data = datasets.load_dataset(name, split=split, download_mode="reuse_cache_if_exists")
+    except Exception as err:
+        raise FileNotFoundError(f"benchmark {spec!r}: cannot load split {split!r} of {name!r} locally ({err})") from err
+    if column not in data.column_names:
+        raise ValueError(f"benchmark {spec!r}: no column {column!r}; columns are {data.column_names}")
+    return [user_turns(v, f"{spec} row {i}") for i, v in enumerate(data[column])]
+
+
+def load_items(bench: str) -> list[list[str]]:
+    """Every item of a benchmark, each as its list of user turns."""
+    if bench.startswith(HF_PREFIX):
+        return _hf_rows(bench)
     path = PACKAGED.get(bench, Path(bench))
     if not path.exists():
-        raise FileNotFoundError(f"benchmark {bench!r}: no such file; expected one of {list(PACKAGED)} or a jsonl path")
-    rows = read_jsonl(path)
-    stride = max(1, len(rows) // limit)
-    return [first_user_turn(rows[i], f"{path}:{i + 1}") for i in range(0, len(rows), stride)][:limit]
+        raise FileNotFoundError(
+            f"benchmark {bench!r}: no such file; expected one of {list(PACKAGED)}, a jsonl path or "
+            "hf:<name or dir>:<split>:<column>"
+        )
+    return [user_turns(row, f"{path}:{i + 1}") for i, row in enumerate(read_jsonl(path))]
+
+
+def evaluated_indices(num_items: int, limit: int) -> list[int]:
+    stride = max(1, num_items // limit)
+    return list(range(0, num_items, stride))[:limit]
+
+
+def load_prompts(bench: str, limit: int, max_turns: int = 1) -> list[list[str]]:
+    """`limit` items spread evenly over the benchmark, each cut to its first `max_turns` turns."""
+    items = load_items(bench)
+    return [items[i][:max_turns] for i in evaluated_indices(len(items), limit)]
+
+
+def held_out_prompts(bench: str, limit: int, count: int) -> list[str]:
+    """`count` first turns from rows NOT in the `limit`-item evaluated slice, spread over the file."""
+    items = load_items(bench)
+    evaluated = set(evaluated_indices(len(items), limit))
+    rest = [i for i in range(len(items)) if i not in evaluated]
+    return [items[rest[i]][0] for i in evaluated_indices(len(rest), count)] if rest else []
+
+
+def conversation_ids(tokenizer, turns: list[str], answers: list[str]) -> list[int]:
+    """Token ids of user turns interleaved with the target's earlier answers, ready for the next answer."""
+    messages = []
+    for i, turn in enumerate(turns):
+        messages.append({"role": "user", "content": turn})
+        if i < len(answers):
+            messages.append({"role": "assistant", "content": answers[i]})
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]

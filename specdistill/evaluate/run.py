@@ -1,27 +1,42 @@
-"""The evaluate stage: real tau, per-depth acceptance, speedup and a lossless check on the real target.
+"""The evaluate stage: real tau, per-depth acceptance, speedup and a lossless check on the real target,
+with baselines (prompt lookup, the head as a chain) and serving advice, all in one report.
 
-Every prompt is decoded twice in the same run: plain greedy (the baseline and the reference) and
-speculative with the head's dynamic tree. Writes `eval/report.json`, `eval/outputs.jsonl`,
-`eval/acceptance.png` and `eval/summary.md` (contract in DESIGN.md).
+Every prompt is decoded by plain decoding (the speed baseline and, at temperature 0, the reference)
+and by each drafter, in the same run and the same batches. Later turns of multi-turn items follow
+the target's own plain-decoding answers. Also `evaluate_head_tau`, the cheap in-training tau.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
+from math import prod
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from tqdm import tqdm
 
-from specdistill.config import RunConfig
-from specdistill.evaluate.bench import load_prompts
-from specdistill.heads import load_head
-from specdistill.io import write_json, write_jsonl
-from specdistill.spec.decode import Drafter, greedy_generate, speculative_generate
+from specdistill.config import EvalConfig, RunConfig
+from specdistill.evaluate import metrics
+from specdistill.evaluate.advice import advise, head_cost, target_cost
+from specdistill.evaluate.bench import conversation_ids, load_prompts
+from specdistill.evaluate.report import write_report
+from specdistill.heads import HEAD_CONFIG, load_head
+from specdistill.spec import kernels
+from specdistill.spec.decode import (
+    GREEDY,
+    HeadProposer,
+    LookupProposer,
+    Sampling,
+    plain_generate,
+    speculative_generate,
+)
 from specdistill.target import Target, TargetRunner
 
 log = logging.getLogger(__name__)
+MAIN = "head tree"
 
 
 def head_dir(run_dir: Path) -> Path:
@@ -29,90 +44,181 @@ def head_dir(run_dir: Path) -> Path:
     return best if best.exists() else run_dir / "ckpt" / "final"
 
 
-def per_depth(accepted: list[int], depth: int) -> list[float]:
-    """Share of verification rounds whose accepted path reached depth d, for d = 1..depth."""
-    rounds = max(1, len(accepted))
-    return [sum(a >= d for a in accepted) / rounds for d in range(1, depth + 1)]
+def load_any_head(path: str | Path, target: Target):
+    """A training checkpoint (head_config.json) or an exported EAGLE-3 directory (config.json); an export
+    without the embedding gets the target's, as the engines do."""
+    path = Path(path)
+    if (path / HEAD_CONFIG).exists():
+        return load_head(path)
+    from specdistill.export import common
+    from specdistill.export.reader import read_head
+
+    if not (path / common.CONFIG_FILE).exists():
+        raise FileNotFoundError(f"{path}: neither {HEAD_CONFIG} (a checkpoint) nor {common.CONFIG_FILE} (an export)")
+    head = read_head(path)
+    with safe_open(str(path / common.WEIGHTS_FILE), "pt") as f:
+        has_embedding = any(k.endswith("embed_tokens.weight") for k in f.keys())
+    if not has_embedding:
+        head.embed_tokens.weight.data.copy_(target.model.get_input_embeddings().weight.float())
+    return head
 
 
-def evaluate(cfg: RunConfig, target: Target, head, out_dir: Path) -> dict:
-    eos = target.eos_ids
-    prompts = load_prompts(cfg.eval.bench, cfg.eval.limit)
-    runner = TargetRunner(target)
-    drafter = Drafter(head.to(dtype=torch.float32).eval(), target.vocab_size)
-    tree = cfg.eval.tree
-    rows, accepted, forwards, spec_s, base_s, draft_s, mismatches = [], [], 0, 0.0, 0.0, 0.0, 0
-    for text in tqdm(prompts, desc="evaluate"):
-        ids = target.prompt_ids(text)
-        t0 = time.perf_counter()
-        reference = greedy_generate(target.model, ids, cfg.eval.max_new_tokens, eos)
-        base_s += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        stats = speculative_generate(runner, drafter, ids, cfg.eval.max_new_tokens, tree.depth, tree.topk,
-                                     tree.num_draft_tokens, eos)
-        spec_s += time.perf_counter() - t0
-        draft_s += stats.draft_s
-        forwards += stats.target_forwards
-        accepted += stats.accepted
-        mismatches += int(stats.tokens != reference)
-        rows.append({"prompt": text, "prompt_ids": ids, "output_ids": stats.tokens,
-                     "accepted_per_round": stats.accepted, "matches_greedy": stats.tokens == reference})
-    new_tokens = sum(len(r["output_ids"]) for r in rows)
+def tree_shape(ev: EvalConfig) -> dict:
+    """The head tree's (depth, topk, num_draft_tokens): the dynamic tree's, or the sampled tree's."""
+    if ev.temperature > 0 and ev.rejection == "multi_candidate":
+        nodes = sum(prod(ev.branching[: d + 1]) for d in range(len(ev.branching)))
+        return {"depth": len(ev.branching), "topk": max(ev.branching), "num_draft_tokens": nodes}
+    return {"depth": ev.tree.depth, "topk": ev.tree.topk, "num_draft_tokens": ev.tree.num_draft_tokens}
+
+
+def drafters(head, target: Target, ev: EvalConfig) -> dict[str, tuple[object, int]]:
+    """name -> (proposer, depth of its trees)."""
+    t = ev.tree
+    shape = "sampled" if ev.temperature > 0 and ev.rejection == "multi_candidate" else "tree"
+    out = {MAIN: (HeadProposer(head, target.vocab_size, shape, t.depth, t.topk, t.num_draft_tokens, ev.branching),
+                  tree_shape(ev)["depth"])}
+    if "chain" in ev.baselines:
+        out["chain"] = (HeadProposer(head, target.vocab_size, "chain", t.depth), t.depth)
+    if "prompt_lookup" in ev.baselines:
+        out["prompt_lookup"] = (LookupProposer(ev.lookup_tokens, ev.lookup_max_ngram), ev.lookup_tokens)
+    return out
+
+
+@dataclass
+class Tally:
+    """One drafter's totals over the whole benchmark."""
+
+    depth: int
+    accepted: list[int] = field(default_factory=list)
+    hits: list[tuple[int, int, int]] = field(default_factory=list)
+    new_tokens: int = 0
+    target_forwards: int = 0
+    wall_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    mismatches: int = 0
+
+    def add(self, stats, seconds: float, reference: list[list[int]]) -> None:
+        self.accepted += [a for row in stats.accepted for a in row]
+        self.hits += stats.hits
+        self.new_tokens += sum(len(t) for t in stats.tokens)
+        self.target_forwards += stats.target_forwards
+        self.wall_s += seconds
+        self.draft_s += stats.draft_s
+        self.verify_s += stats.verify_s
+        self.mismatches += sum(t != r for t, r in zip(stats.tokens, reference))
+
+    def report(self, baseline_wall_s: float, greedy: bool) -> dict:
+        return {
+            "tau": metrics.tau(self.accepted),
+            "accept_per_depth": metrics.accept_per_depth(self.accepted, self.depth),
+            "accept_per_depth_conditional": metrics.accept_per_depth_conditional(self.accepted, self.depth),
+            "new_tokens": self.new_tokens,
+            "target_forwards": self.target_forwards,
+            "wall_s": round(self.wall_s, 3),
+            "baseline_wall_s": round(baseline_wall_s, 3),
+            "speedup": baseline_wall_s / self.wall_s if self.wall_s else 0.0,
+            "draft_s": round(self.draft_s, 3),
+            "verify_s": round(self.verify_s, 3),
+            "lossless_mismatches": self.mismatches if greedy else None,
+        }
+
+
+def _timed(device: torch.device, fn, *args):
+    """fn(*args) and its wall time (CUDA synchronised)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    result = fn(*args)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return result, time.perf_counter() - t0
+
+
+def evaluate(cfg: RunConfig, target: Target, head, out_dir: Path, head_path: str = "") -> dict:
+    """Decode the benchmark with plain decoding and every drafter; write and return the report."""
+    ev = cfg.eval
+    kernels.set_backend(ev.kernels)
+    device = next(target.model.parameters()).device
+    head = head.to(device=device, dtype=target.model.dtype).eval()
+    items = load_prompts(ev.bench, ev.limit, ev.max_turns)
+    runner, eos, pad = TargetRunner(target), target.eos_ids, target.tokenizer.pad_token_id
+    sampling = Sampling(ev.temperature, ev.top_k, ev.top_p)
+    proposers = drafters(head, target, ev)
+    tallies = {name: Tally(depth) for name, (_, depth) in proposers.items()}
+    generators = {name: torch.Generator(device).manual_seed(cfg.seed) for name in ["plain", *proposers]}
+    rows, answers, plain_s = [], [[] for _ in items], 0.0
+    bar = tqdm(total=sum(len(it) for it in items), desc=f"evaluate {ev.bench}", unit="prompt")
+    for turn in range(max(len(it) for it in items)):
+        todo = [i for i, it in enumerate(items) if len(it) > turn]
+        for start in range(0, len(todo), ev.batch_size):
+            chunk = todo[start : start + ev.batch_size]
+            ids = [conversation_ids(target.tokenizer, items[i][: turn + 1], answers[i]) for i in chunk]
+            reference, seconds = _timed(device, plain_generate, target.model, ids, ev.max_new_tokens, eos, sampling,
+                                        generators["plain"], pad)
+            plain_s += seconds
+            outputs = {}
+            for name, (proposer, _) in proposers.items():
+                stats, seconds = _timed(device, speculative_generate, runner, proposer, ids, ev.max_new_tokens, eos,
+                                        sampling, generators[name], pad)
+                tallies[name].add(stats, seconds, reference)
+                outputs[name] = stats
+            main = outputs[MAIN]
+            for j, i in enumerate(chunk):
+                answers[i].append(target.tokenizer.decode(reference[j], skip_special_tokens=True))
+                rows.append({"item": i, "turn": turn, "prompt": items[i][turn], "prompt_ids": ids[j],
+                             "output_ids": main.tokens[j], "plain_output_ids": reference[j],
+                             "accepted_per_round": main.accepted[j], "matches_plain": main.tokens[j] == reference[j]})
+            bar.update(len(chunk))
+    bar.close()
+    greedy = ev.temperature == 0
     report = {
-        "tau": sum(a + 1 for a in accepted) / max(1, len(accepted)),
-        "accept_per_depth": per_depth(accepted, tree.depth),
-        "new_tokens": new_tokens,
-        "target_forwards": forwards,
-        "wall_s": round(spec_s, 3),
-        "baseline_wall_s": round(base_s, 3),
-        "speedup": base_s / spec_s if spec_s else 0.0,
-        "draft_s": round(draft_s, 3),
-        "verify_s": round(spec_s - draft_s, 3),
-        "lossless_mismatches": mismatches,
-        "tree": {"depth": tree.depth, "topk": tree.topk, "num_draft_tokens": tree.num_draft_tokens},
-        "temperature": cfg.eval.temperature,
-        "num_prompts": len(prompts),
-        "bench": cfg.eval.bench,
+        **tallies[MAIN].report(plain_s, greedy),
+        "tree": tree_shape(ev),
+        "temperature": ev.temperature,
+        "num_prompts": len(rows),
+        "bench": ev.bench,
+        "batch_size": ev.batch_size,
+        "max_new_tokens": ev.max_new_tokens,
         "target": target.name,
+        "head": head_path or head.config.kind,
+        "plain_new_tokens": sum(len(r["plain_output_ids"]) for r in rows),
+        "baselines": {name: t.report(plain_s, greedy) for name, t in tallies.items() if name != MAIN},
     }
-    write_jsonl(out_dir / "outputs.jsonl", rows)
-    write_json(out_dir / "report.json", report)
-    plot_acceptance(report, out_dir / "acceptance.png")
-    (out_dir / "summary.md").write_text(summary_markdown(report))
+    table = metrics.coverage(tallies[MAIN].hits + (tallies["chain"].hits if "chain" in tallies else []))
+    report["serving_advice"] = advise(table, target_cost(target.model, ev.advice), head_cost(head, ev.advice),
+                                      ev.advice, head.config.kind, head_path or "<head dir>")
+    write_report(report, rows, out_dir, cfg.wandb)
     return report
 
 
-def summary_markdown(r: dict) -> str:
-    depths = " | ".join(f"{a:.2f}" for a in r["accept_per_depth"])
-    return (f"# Acceptance on {r['bench']} ({r['num_prompts']} prompts, temperature {r['temperature']})\n\n"
-            f"- tau: **{r['tau']:.2f}** tokens per target forward\n"
-            f"- speedup vs plain greedy decoding (same run): **{r['speedup']:.2f}x** "
-            f"({r['wall_s']:.1f}s vs {r['baseline_wall_s']:.1f}s; drafting {r['draft_s']:.1f}s)\n"
-            f"- lossless mismatches: {r['lossless_mismatches']}\n"
-            f"- tree: {r['tree']}\n- share of rounds reaching depth 1..{len(r['accept_per_depth'])}: {depths}\n")
-
-
-def plot_acceptance(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    acc = report["accept_per_depth"]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.bar(range(1, len(acc) + 1), acc)
-    ax.set(xlabel="draft depth", ylabel="share of rounds accepted to this depth", ylim=(0, 1),
-           title=f"tau {report['tau']:.2f}, speedup {report['speedup']:.2f}x")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+@torch.inference_mode()
+def evaluate_head_tau(head, target: Target, prompts: list[str], cfg: EvalConfig) -> dict:
+    """Greedy tau of `head` with the tree verifier on `prompts` (`cfg.loop_max_new_tokens` each, batches of
+    `cfg.batch_size`): cheap enough to run every `train.eval_every` steps. The head is left as it was."""
+    was_training = head.training
+    head.eval()
+    t = cfg.tree
+    proposer = HeadProposer(head, target.vocab_size, "tree", t.depth, t.topk, t.num_draft_tokens)
+    runner, eos, pad = TargetRunner(target), target.eos_ids, target.tokenizer.pad_token_id
+    tally = Tally(t.depth)
+    t0 = time.perf_counter()
+    try:
+        for start in range(0, len(prompts), cfg.batch_size):
+            ids = [target.prompt_ids(p) for p in prompts[start : start + cfg.batch_size]]
+            stats = speculative_generate(runner, proposer, ids, cfg.loop_max_new_tokens, eos, GREEDY, None, pad)
+            tally.add(stats, 0.0, stats.tokens)
+    finally:
+        head.train(was_training)
+    return {"tau": metrics.tau(tally.accepted), "accept_per_depth": metrics.accept_per_depth(tally.accepted, t.depth),
+            "new_tokens": tally.new_tokens, "target_forwards": tally.target_forwards,
+            "seconds": round(time.perf_counter() - t0, 3)}
 
 
 def run(cfg: RunConfig, target) -> dict:
     out_dir = Path(cfg.out) if cfg.out else cfg.run_dir / "eval"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    head = load_head(head_dir(cfg.run_dir))
-    report = evaluate(cfg, target.get(), head, out_dir)
-    log.info("tau %.2f, speedup %.2fx, lossless mismatches %d; report in %s", report["tau"], report["speedup"],
+    path = head_dir(cfg.run_dir)
+    report = evaluate(cfg, target.get(), load_head(path), out_dir, str(path))
+    log.info("tau %.2f, speedup %.2fx, lossless mismatches %s; report in %s", report["tau"], report["speedup"],
              report["lossless_mismatches"], out_dir / "report.json")
     return {"report": str(out_dir / "report.json"), **{k: report[k] for k in ("tau", "speedup", "lossless_mismatches")}}

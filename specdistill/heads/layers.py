@@ -5,6 +5,7 @@ Shapes: B batch, T tokens, D hidden, N heads, K kv heads, E head dim, S cached k
 Attention has one projection path and two cores: `ttt_attention` for training (step-0 keys causal,
 plus each position's own keys from later steps) and `cached_attention` for drafting (a KV cache
 with an explicit mask). Both see the same q/k/v, so training and inference cannot drift apart.
+`ttt_attention` runs a fused CPU core (flash kernel + log-sum-exp merge) or the explicit one.
 """
 
 from __future__ import annotations
@@ -79,12 +80,30 @@ class Rotary(nn.Module):
         return self.inner(x, position_ids_BT)
 
 
-def ttt_attention(q_BNTE, keys, values, mask0_BTT) -> torch.Tensor:
+def ttt_attention(q_BNTE, keys, values, mask0_BTT=None) -> torch.Tensor:
     """Training-time-test attention for step j = len(keys) - 1.
 
-    keys[0]/values[0] are step-0 entries, attended causally under `mask0_BTT` (True = attend);
-    keys[i] for i >= 1 are the step-i entries, each attended only at the query's own position.
+    keys[0]/values[0] are step-0 entries, attended causally (or under `mask0_BTT`, True = attend, for
+    packed documents); keys[i] for i >= 1 are the step-i entries, each attended only at the query's own
+    position. On CPU the fused core (no [T, T] matrix kept for backward) runs; elsewhere the explicit one.
     """
+    if q_BNTE.device.type == "cpu":
+        bias_B1TT = None if mask0_BTT is None else attention_bias(mask0_BTT, q_BNTE.dtype)
+        return FusedTTTAttentionCPU.apply(q_BNTE, bias_B1TT, *keys, *values)
+    return ttt_attention_explicit(q_BNTE, keys, values, mask0_BTT)
+
+
+def attention_bias(mask_BTT: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Boolean mask (True = attend) -> additive bias [B, 1, T, T] (0 or -inf)."""
+    bias = torch.zeros(mask_BTT.shape, dtype=dtype, device=mask_BTT.device)
+    return bias.masked_fill_(~mask_BTT, float("-inf"))[:, None]
+
+
+def ttt_attention_explicit(q_BNTE, keys, values, mask0_BTT=None) -> torch.Tensor:
+    """The TTT attention with the full [T, T] step-0 score matrix plus the diagonal terms of later steps."""
+    T = q_BNTE.shape[-2]
+    if mask0_BTT is None:
+        mask0_BTT = torch.ones(T, T, dtype=torch.bool, device=q_BNTE.device).tril()[None]
     scale = q_BNTE.shape[-1] ** -0.5
     s0_BNTT = torch.matmul(q_BNTE, keys[0].transpose(-1, -2)) * scale
     s0_BNTT = s0_BNTT.masked_fill(~mask0_BTT[:, None], torch.finfo(s0_BNTT.dtype).min)
@@ -92,10 +111,57 @@ def ttt_attention(q_BNTE, keys, values, mask0_BTT) -> torch.Tensor:
         return torch.matmul(torch.softmax(s0_BNTT, -1, dtype=torch.float32).to(q_BNTE.dtype), values[0])
     diag_BNTJ = torch.stack([(q_BNTE * k).sum(-1) for k in keys[1:]], dim=-1) * scale
     probs = torch.softmax(torch.cat([s0_BNTT, diag_BNTJ], dim=-1), -1, dtype=torch.float32).to(q_BNTE.dtype)
-    T = s0_BNTT.shape[-1]
     out = torch.matmul(probs[..., :T], values[0])
     v_BNTJE = torch.stack(values[1:], dim=3)
     return out + (probs[..., T:, None] * v_BNTJE).sum(dim=3)
+
+
+class FusedTTTAttentionCPU(torch.autograd.Function):
+    """TTT attention from torch's CPU flash-attention kernel plus a log-sum-exp merge of the diagonal terms.
+
+    Forward: the kernel gives the step-0 output and its log-sum-exp L0; the diagonal scores d_i join
+    through L = logaddexp(L0, d_1..d_j), so out = exp(L0 - L) out0 + sum_i exp(d_i - L) v_i.
+    Backward: the kernel's backward, handed the merged output and L, yields exactly the step-0 share of
+    the gradients (its P = exp(s - L) and D = rowsum(dO * out) are those of the joint softmax); the
+    diagonal terms' share is added by hand. Only q, k, v, out and L are kept: no [T, T] matrix.
+    """
+
+    @staticmethod
+    def forward(ctx, q_BNTE, bias_B1TT, *keys_then_values):
+        steps = len(keys_then_values) // 2
+        keys, values = keys_then_values[:steps], keys_then_values[steps:]
+        scale = q_BNTE.shape[-1] ** -0.5
+        out_BNTE, lse_BNT = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q_BNTE, keys[0], values[0], 0.0, bias_B1TT is None, attn_mask=bias_B1TT, scale=scale)
+        if steps > 1:
+            diag_BNTJ = torch.stack([(q_BNTE * k).sum(-1) for k in keys[1:]], dim=-1).float() * scale
+            merged_BNT = torch.logaddexp(lse_BNT, diag_BNTJ.logsumexp(-1))
+            p_BNTJ = torch.exp(diag_BNTJ - merged_BNT[..., None]).to(q_BNTE.dtype)
+            out_BNTE = out_BNTE * torch.exp(lse_BNT - merged_BNT)[..., None].to(q_BNTE.dtype)
+            for i, v in enumerate(values[1:]):
+                out_BNTE = out_BNTE + p_BNTJ[..., i, None] * v
+            lse_BNT = merged_BNT
+        ctx.scale, ctx.steps = scale, steps
+        ctx.save_for_backward(q_BNTE, bias_B1TT, out_BNTE, lse_BNT, *keys_then_values)
+        return out_BNTE
+
+    @staticmethod
+    def backward(ctx, grad_BNTE):
+        q_BNTE, bias_B1TT, out_BNTE, lse_BNT, *keys_then_values = ctx.saved_tensors
+        keys, values = keys_then_values[: ctx.steps], keys_then_values[ctx.steps:]
+        grad_BNTE = grad_BNTE.contiguous()
+        dq, dk0, dv0 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_BNTE, q_BNTE, keys[0], values[0], out_BNTE, lse_BNT, 0.0, bias_B1TT is None,
+            attn_mask=bias_B1TT, scale=ctx.scale)
+        dkeys, dvalues = [dk0], [dv0]
+        rowdot_BNT = (grad_BNTE * out_BNTE).sum(-1).float()
+        for k, v in zip(keys[1:], values[1:]):
+            p_BNT = torch.exp((q_BNTE * k).sum(-1).float() * ctx.scale - lse_BNT)
+            ds_BNT = (p_BNT * ((grad_BNTE * v).sum(-1).float() - rowdot_BNT) * ctx.scale).to(q_BNTE.dtype)
+            dq = dq + ds_BNT[..., None] * k
+            dkeys.append(ds_BNT[..., None] * q_BNTE)
+            dvalues.append(p_BNT.to(q_BNTE.dtype)[..., None] * grad_BNTE)
+        return (dq, None, *dkeys, *dvalues)
 
 
 def cached_attention(q_BNQE, k_BNSE, v_BNSE, mask_BQS) -> torch.Tensor:

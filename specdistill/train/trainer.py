@@ -1,15 +1,18 @@
 """The train stage: one Trainer over accelerate (+ DeepSpeed), resumable from its last checkpoint.
 
 accelerate / DeepSpeed wiring lives only here; heads, losses and the TTT unroll are single-device code.
-A checkpoint holds the head, optimizer, scheduler, data position and every rank's RNG, so a run
-killed with SIGKILL and started again with the same command ends with the same weights.
+A checkpoint (`ckpt/step-N/`) holds the head, optimizer, scheduler (accelerate's state), the data
+position and history (`trainer_state.json`) and every rank's RNG (`rng-rank-R.safetensors`), so a run
+killed with SIGKILL and started again with the same command ends with the same weights. The last
+`train.keep_last` checkpoints are kept, and the best head so far (by in-loop tau, else held-out
+simulated tau) in `ckpt/best/`. Each rank writes the sample ids it consumed to
+`train/samples-rank-R.json`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import random
 import shutil
@@ -17,19 +20,23 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
+from safetensors.torch import load_file
 from torch import nn
 from tqdm import tqdm
 
+from specdistill.capture.run import samples_dir
 from specdistill.capture.store import FeatureStore
 from specdistill.config import RunConfig
 from specdistill.data.vocab import DraftVocab
 from specdistill.heads import build_head, save_head
-from specdistill.io import write_json
+from specdistill.io import atomic_dir, save_tensors, write_json
 from specdistill.pipeline import redacted
 from specdistill.target import Target, TargetRunner
+from specdistill.train.data import PLANS, OnlineSource, StoreSource, collate
 from specdistill.train.loss import LOSSES
-from specdistill.train.schedule import bucketed_batches, warmup_cosine
+from specdistill.train.schedule import warmup_cosine
 from specdistill.train.teacher import Teacher
 from specdistill.train.ttt import TTTBatch, TTTResult, unroll_ttt
 
@@ -56,6 +63,15 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
+def deepspeed_config(cfg: RunConfig, precision: str) -> dict:
+    """conf/deepspeed/<name>.json completed from the train config (accumulation, clipping, precision)."""
+    ds = json.loads((DEEPSPEED_DIR / f"{cfg.train.deepspeed}.json").read_text())
+    ds.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=cfg.train.grad_accum,
+              gradient_clipping=cfg.train.grad_clip)
+    ds["bf16"] = {"enabled": precision == "bf16"}
+    return ds
+
+
 def make_accelerator(cfg: RunConfig):
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
@@ -63,41 +79,49 @@ def make_accelerator(cfg: RunConfig):
     precision = cfg.train.mixed_precision
     if precision == "auto":
         precision = "bf16" if torch.cuda.is_available() else "no"
-    plugin = None
-    if cfg.train.deepspeed:
-        ds = json.loads((DEEPSPEED_DIR / f"{cfg.train.deepspeed}.json").read_text())
-        ds.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=cfg.train.grad_accum,
-                  gradient_clipping=cfg.train.grad_clip)
-        ds["bf16"] = {"enabled": precision == "bf16"}
-        plugin = DeepSpeedPlugin(hf_ds_config=ds)
+    plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(cfg, precision)) if cfg.train.deepspeed else None
     return Accelerator(mixed_precision=precision, gradient_accumulation_steps=cfg.train.grad_accum,
                        deepspeed_plugin=plugin, cpu=not torch.cuda.is_available())
 
 
-def collate(store: FeatureStore, ids: list[int], device) -> TTTBatch:
-    """Right-padded batch of stored samples."""
-    samples = [store.sample(i) for i in ids]
-    T = max(len(s["input_ids"]) for s in samples)
-    B = len(samples)
-    aux_dim = samples[0]["aux"].shape[-1]
-    input_ids = torch.zeros(B, T, dtype=torch.long)
-    loss_mask = torch.zeros(B, T, dtype=torch.long)
-    valid = torch.zeros(B, T, dtype=torch.bool)
-    aux = torch.zeros(B, T, aux_dim, dtype=torch.float32)
-    extra = {}
-    for b, s in enumerate(samples):
-        n = len(s["input_ids"])
-        input_ids[b, :n] = s["input_ids"].long()
-        loss_mask[b, :n] = s["loss_mask"].long()
-        valid[b, :n] = True
-        aux[b, :n] = s["aux"].float()
-        for key in ("last", "topk_logprobs", "topk_ids"):
-            if key in s:
-                t = extra.setdefault(key, torch.zeros(B, T, s[key].shape[-1], dtype=torch.float32 if key != "topk_ids" else torch.long))
-                t[b, :n] = s[key].to(t.dtype)
-    batch = TTTBatch(input_ids.to(device), loss_mask.to(device), valid.to(device), aux.to(device),
-                     extra["last"].to(device) if "last" in extra else None)
-    return batch, {k: v.to(device) for k, v in extra.items()}
+def save_rng(path: Path) -> None:
+    """This rank's torch (CPU and CUDA), numpy and python RNG states, as safetensors (no pickle)."""
+    py_version, py_state, _ = random.getstate()
+    np_state = np.random.get_state()
+    tensors = {"torch": torch.get_rng_state(), "python": torch.tensor(py_state, dtype=torch.int64),
+               "numpy": torch.from_numpy(np_state[1].astype(np.int64)),
+               "numpy_pos": torch.tensor([np_state[2]], dtype=torch.int64)}
+    if torch.cuda.is_available():
+        tensors["cuda"] = torch.cuda.get_rng_state()
+    save_tensors(path, tensors, metadata={"python_version": str(py_version)})
+
+
+def load_rng(path: Path) -> None:
+    t = load_file(str(path))
+    torch.set_rng_state(t["torch"])
+    random.setstate((3, tuple(int(x) for x in t["python"]), None))
+    np.random.set_state(("MT19937", t["numpy"].numpy().astype(np.uint32), int(t["numpy_pos"][0]), 0, 0.0))
+    if "cuda" in t and torch.cuda.is_available():
+        torch.cuda.set_rng_state(t["cuda"])
+
+
+def all_ranks_true(flag: bool) -> bool:
+    """True only if `flag` holds on every rank (ranks must skip a step together or hang in the reduce)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return flag
+    t = torch.tensor([1 if flag else 0])
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def load_tau_evaluator(cfg: RunConfig, target: Target):
+    """`head -> {"tau": ...}`: the evaluation stage's tree-verified greedy tau on the first turn of the
+    `cfg.eval` benchmark prompts (imported lazily: evaluation pulls in the decoding stack)."""
+    from specdistill.evaluate.bench import load_prompts
+    from specdistill.evaluate.run import evaluate_head_tau
+
+    prompts = [turns[0] for turns in load_prompts(cfg.eval.bench, cfg.eval.limit)]
+    return lambda head: evaluate_head_tau(head, target, prompts, cfg.eval)
 
 
 @dataclass
@@ -105,13 +129,18 @@ class TrainState:
     step: int = 0  # optimizer steps done
     epoch: int = 0
     batch_in_epoch: int = 0  # micro-batches of this rank already consumed in `epoch`
+    micro: int = 0  # micro-batches consumed in all (gradient accumulation counts them)
     skipped: int = 0
     bad_in_row: int = 0  # consecutive non-finite steps
-    best_metric: float | None = None
+    best_metric: float | None = None  # tau (or held-out simulated tau) of the head in ckpt/best
+    best_step: int | None = None
+    world: int = 1
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, target: Target):
+    def __init__(self, cfg: RunConfig, target: Target, tau_evaluator=None):
+        """`tau_evaluator(head) -> {"tau": ...}` runs every `train.eval_every` steps (default: the
+        evaluation stage's `evaluate_head_tau` over `cfg.eval` prompts)."""
         self.cfg = cfg
         self.run_dir = cfg.run_dir
         self.ckpt_dir = self.run_dir / "ckpt"
@@ -119,33 +148,51 @@ class Trainer:
         self.rank, self.world = rank_and_world()
         self.device = self.accelerator.device
         vocab = DraftVocab.load(self.run_dir / "data" / "vocab.safetensors")
-        self.store = FeatureStore(self.run_dir / "features")
-        self.store.check_compatible(target.name, list(target.layer_ids), target.hidden_size, cfg.capture.teacher)
+        if cfg.capture.mode == "online":
+            self.source = OnlineSource(samples_dir(cfg), target, cfg.capture.teacher, cfg.capture.teacher_topk,
+                                       self.device)
+        else:
+            store = FeatureStore(self.run_dir / "features")
+            store.check_compatible(target.name, list(target.layer_ids), target.hidden_size, cfg.capture.teacher)
+            self.source = StoreSource(store)
+        self.plan = PLANS[cfg.train.batching]
+        self.packed = cfg.train.batching == "pack"
         torch.manual_seed(cfg.seed)
         self.head = build_head(cfg.head, target, vocab.d2t_N, vocab.t2d_V)
         runner = TargetRunner(target)
         norm = runner.final_norm().float()
         self.teacher = Teacher(norm.to(self.device), target.model.get_output_embeddings().weight.float().to(self.device),
                                self.head.d2t.to(self.device), self.head.t2d.to(self.device), cfg.train.vocab_chunk)
-        self.train_ids, self.holdout_ids = self.split(len(self.store))
-        lengths = self.store.lengths
-        self.train_lengths = {i: int(lengths[i]) for i in self.train_ids}
-        per_epoch = math.ceil(len(bucketed_batches(self.train_lengths, cfg.train.batch_tokens, cfg.seed, 0)) / self.world)
-        self.batches_per_epoch = per_epoch
-        self.total_steps = cfg.train.max_steps or max(1, int(cfg.train.epochs * per_epoch) // cfg.train.grad_accum)
+        self.train_ids, self.holdout_ids = self.split(len(self.source.lengths))
+        self.train_lengths = {i: self.source.lengths[i] for i in self.train_ids}
+        self.batches_per_epoch = max(1, len(self.plan(self.train_lengths, cfg.train.batch_tokens, cfg.seed, 0)) // self.world)
+        self.total_steps = cfg.train.max_steps or max(1, int(cfg.train.epochs * self.batches_per_epoch) // cfg.train.grad_accum)
         params = [p for p in self.head.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=cfg.train.lr, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay)
         scheduler = warmup_cosine(optimizer, self.total_steps, int(cfg.train.warmup_ratio * self.total_steps))
         model = TTTModel(self.head, cfg.train.ttt_steps, cfg.train.step_weight, cfg.train.loss)
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
-        self.state = TrainState()
+        self.tau_evaluator = tau_evaluator
+        if cfg.train.eval_every > 0 and tau_evaluator is None:
+            self.tau_evaluator = load_tau_evaluator(cfg, target)
+        self.state = TrainState(world=self.world)
         self.history: list[dict] = []
+        self.consumed: list[dict] = []  # epoch and sample ids of each micro-batch this process trained on
+        log.info("training on %d samples (%d held out), %s batching, %d micro-batches per epoch per rank, "
+                 "%d optimizer steps; rank %d of %d; features %s", len(self.train_ids), len(self.holdout_ids),
+                 cfg.train.batching, self.batches_per_epoch, self.total_steps, self.rank, self.world,
+                 "computed online by the target" if cfg.capture.mode == "online" else "from the feature store")
 
     def split(self, n: int) -> tuple[list[int], list[int]]:
         order = list(range(n))
         random.Random(self.cfg.seed).shuffle(order)
         n_hold = int(round(self.cfg.train.holdout_share * n)) if n >= 20 else 0
         return sorted(order[n_hold:]), sorted(order[:n_hold])
+
+    def my_batches(self, epoch: int) -> list[list[list[int]]]:
+        """This rank's share of the epoch's plan: every world-th batch, the same count on every rank."""
+        plan = self.plan(self.train_lengths, self.cfg.train.batch_tokens, self.cfg.seed, epoch)
+        return plan[self.rank::self.world][: len(plan) // self.world or 1]
 
     # ------------------------------------------------------------ checkpoints
 
@@ -159,6 +206,7 @@ class Trainer:
             shutil.rmtree(tmp, ignore_errors=True)
         self.accelerator.wait_for_everyone()
         self.accelerator.save_state(str(tmp))
+        save_rng(tmp / f"rng-rank-{self.rank}.safetensors")
         self.accelerator.wait_for_everyone()
         if self.rank == 0:
             write_json(tmp / "trainer_state.json", {**self.state.__dict__, "history": self.history})
@@ -166,7 +214,7 @@ class Trainer:
             os.replace(tmp, final)
             for old in self.checkpoints()[: -self.cfg.train.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
-            log.info("checkpoint %s", final)
+            log.info("checkpoint %s (keeping the last %d)", final, self.cfg.train.keep_last)
         self.accelerator.wait_for_everyone()
 
     def maybe_resume(self) -> None:
@@ -174,11 +222,27 @@ class Trainer:
         if not ckpts:
             return
         latest = ckpts[-1]
-        self.accelerator.load_state(str(latest))
         saved = json.loads((latest / "trainer_state.json").read_text())
+        if saved.get("world", 1) != self.world:
+            raise RuntimeError(f"{latest} was written by {saved.get('world', 1)} ranks, this run has {self.world}; "
+                               "resume with the same number of processes (the data order depends on it)")
+        self.accelerator.load_state(str(latest))
+        load_rng(latest / f"rng-rank-{self.rank}.safetensors")
         self.history = saved.pop("history")
         self.state = TrainState(**saved)
-        log.info("resumed from %s (step %d, epoch %d)", latest, self.state.step, self.state.epoch)
+        log.info("resumed from %s (step %d, epoch %d, micro-batch %d)", latest, self.state.step, self.state.epoch,
+                 self.state.batch_in_epoch)
+
+    def save_best(self, metric: float, name: str) -> None:
+        """Keep the head in ckpt/best/ when `metric` beats every earlier one (never rotated away)."""
+        if self.state.best_metric is not None and metric <= self.state.best_metric:
+            return
+        self.state.best_metric, self.state.best_step = metric, self.state.step
+        if self.rank == 0:
+            with atomic_dir(self.ckpt_dir / "best") as tmp:
+                save_head(self.accelerator.unwrap_model(self.model).head, tmp)
+                write_json(tmp / "best.json", {"step": self.state.step, name: metric})
+            log.info("new best head (%s %.4f at step %d) in %s", name, metric, self.state.step, self.ckpt_dir / "best")
 
     # ------------------------------------------------------------ steps
 
@@ -187,12 +251,18 @@ class Trainer:
             return self.teacher.from_topk(extra["topk_logprobs"], extra["topk_ids"])
         return self.teacher.from_last(batch.last_BTH)
 
-    def train_step(self, ids: list[int]) -> TTTResult | None:
-        batch, extra = collate(self.store, ids, self.device)
-        teacher = self.teacher_targets(batch, extra)
+    def load_batch(self, rows: list[list[int]]):
+        flat = [i for row in rows for i in row]
+        by_id = dict(zip(flat, self.source.samples(flat)))
+        batch, extra = collate([[by_id[i] for i in row] for row in rows], self.device, self.packed)
+        return batch, self.teacher_targets(batch, extra)
+
+    def train_step(self, rows: list[list[int]]) -> TTTResult | None:
+        """One micro-batch; None when the loss or the gradients are not finite (nothing is applied)."""
+        batch, teacher = self.load_batch(rows)
         with self.accelerator.accumulate(self.model):
             result = self.model(batch, teacher)
-            if not torch.isfinite(result.loss):
+            if not all_ranks_true(bool(torch.isfinite(result.loss))):
                 self.optimizer.zero_grad()
                 return None
             self.accelerator.backward(result.loss)
@@ -210,11 +280,10 @@ class Trainer:
     def evaluate_holdout(self) -> dict:
         if not self.holdout_ids:
             return {}
-        lengths = {i: int(self.store.lengths[i]) for i in self.holdout_ids}
+        lengths = {i: self.source.lengths[i] for i in self.holdout_ids}
         acc, count = None, 0
-        for ids in bucketed_batches(lengths, self.cfg.train.batch_tokens, 0, 0):
-            batch, extra = collate(self.store, ids, self.device)
-            r = self.model(batch, self.teacher_targets(batch, extra))
+        for rows in self.plan(lengths, self.cfg.train.batch_tokens, 0, 0):
+            r = self.model(*self.load_batch(rows))
             acc = r.step_acc * r.step_count if acc is None else acc + r.step_acc * r.step_count
             count = count + r.step_count
         step_acc = acc / count.clamp(min=1)
@@ -226,27 +295,25 @@ class Trainer:
         wandb_run = start_wandb(cfg, self.rank)
         bar = tqdm(total=self.total_steps, initial=self.state.step, desc="train", disable=self.rank != 0)
         t0, tokens = time.time(), 0
-        micro = 0
         while self.state.step < self.total_steps:
-            batches = bucketed_batches(self.train_lengths, cfg.train.batch_tokens, cfg.seed, self.state.epoch)
-            mine = batches[self.rank::self.world][: self.batches_per_epoch]
+            mine = self.my_batches(self.state.epoch)
             while self.state.batch_in_epoch < len(mine) and self.state.step < self.total_steps:
-                ids = mine[self.state.batch_in_epoch]
-                result = self.train_step(ids)
+                rows = mine[self.state.batch_in_epoch]
+                result = self.train_step(rows)
                 self.state.batch_in_epoch += 1
-                micro += 1
+                self.state.micro += 1
+                self.consumed.append({"epoch": self.state.epoch, "ids": [i for row in rows for i in row]})
                 if result is None:
                     self.state.skipped += 1
                     self.check_bad_steps()
                     continue
-                tokens += sum(self.train_lengths[i] for i in ids)
-                if micro % cfg.train.grad_accum:
+                tokens += sum(self.train_lengths[i] for row in rows for i in row)
+                if self.state.micro % cfg.train.grad_accum:
                     continue
                 self.state.step += 1
                 self.state.bad_in_row = 0
                 metrics = self.metrics(result, tokens / max(1e-9, time.time() - t0))
-                if self.state.step % cfg.train.ckpt_every == 0 or self.state.step == self.total_steps:
-                    metrics.update(self.evaluate_holdout())
+                metrics.update(self.periodic_evaluations())
                 self.history.append(metrics)
                 bar.update(1)
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc0=f"{metrics['acc/0']:.2f}", tau_sim=f"{metrics['tau_sim']:.2f}")
@@ -258,8 +325,30 @@ class Trainer:
                 self.state.epoch += 1
                 self.state.batch_in_epoch = 0
         bar.close()
-        self.save_checkpoint()
+        if not self.checkpoints() or self.checkpoints()[-1].name != f"step-{self.state.step:07d}":
+            self.save_checkpoint()
         return self.finish(wandb_run)
+
+    def periodic_evaluations(self) -> dict:
+        """Held-out metrics at checkpoint steps and the end; real tau every `train.eval_every` steps."""
+        cfg, step, out = self.cfg.train, self.state.step, {}
+        if step % cfg.ckpt_every == 0 or step == self.total_steps:
+            out.update(self.evaluate_holdout())
+            if cfg.eval_every == 0 and "holdout/tau_sim" in out:
+                self.save_best(out["holdout/tau_sim"], "holdout/tau_sim")
+        if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == self.total_steps):
+            tau = None
+            if self.rank == 0:
+                head = self.accelerator.unwrap_model(self.model).head
+                head.eval()
+                tau = float(self.tau_evaluator(head)["tau"])
+                head.train()
+                log.info("step %d: in-loop tau %.3f", step, tau)
+            self.accelerator.wait_for_everyone()
+            if self.rank == 0:
+                out["tau"] = tau
+                self.save_best(tau, "tau")
+        return out
 
     def check_bad_steps(self) -> None:
         self.state.bad_in_row += 1
@@ -270,7 +359,7 @@ class Trainer:
 
     def metrics(self, r: TTTResult, tokens_per_s: float) -> dict:
         m = {"step": self.state.step, "loss": float(r.loss.detach()), "lr": self.scheduler.get_last_lr()[0],
-             "tokens_per_s": tokens_per_s, "tau_sim": r.simulated_tau()}
+             "tokens_per_s": tokens_per_s, "tau_sim": r.simulated_tau(), "skipped": self.state.skipped}
         for j in range(len(r.step_acc)):
             m[f"acc/{j}"] = float(r.step_acc[j])
             m[f"accept/{j}"] = float(r.step_accept[j])
@@ -280,6 +369,8 @@ class Trainer:
     def finish(self, wandb_run) -> dict:
         head = self.accelerator.unwrap_model(self.model).head
         final = self.ckpt_dir / "final"
+        write_json(self.run_dir / "train" / f"samples-rank-{self.rank}.json",
+                   {"rank": self.rank, "world": self.world, "micro_batches": self.consumed})
         if self.rank == 0:
             save_head(head, final)
             write_json(self.run_dir / "train" / "history.json", self.history)
@@ -287,9 +378,11 @@ class Trainer:
         if wandb_run is not None:
             wandb_run.finish()
         last = self.history[-1] if self.history else {}
-        log.info("head written to %s", final)
+        log.info("head written to %s; history and curves in %s", final, self.run_dir / "train")
         return {"head": str(final), "steps": self.state.step, "skipped": self.state.skipped,
-                "acc0": last.get("acc/0"), "tau_sim": last.get("tau_sim"), **{k: v for k, v in last.items() if k.startswith("holdout/")}}
+                "best": str(self.ckpt_dir / "best") if self.state.best_step is not None else None,
+                "acc0": last.get("acc/0"), "tau_sim": last.get("tau_sim"),
+                **{k: v for k, v in last.items() if k.startswith("holdout/")}}
 
 
 def start_wandb(cfg: RunConfig, rank: int):

@@ -3,9 +3,12 @@
 Step j at position t reads the token x[t+1+j] and the head's step j-1 output at t (step 0 reads the
 fused target features), sits at RoPE position t+j, attends causally to step-0 keys and to its own
 position's keys from steps 1..j, and is trained toward the target's distribution at t+1+j for the
-token x[t+2+j], weighted step_weight**j.
+token x[t+2+j], weighted step_weight**j. In a packed row (several documents) attention stays inside
+each document, positions restart per document, and a position is trained only if x[t+2+j] belongs to
+its own document, so no shift crosses a document boundary.
 
-Shapes: B batch, T tokens, A aux features, D head hidden, V draft vocab.
+Shapes: B batch, T tokens, M = T-2-j positions with a target at step j, A aux features, D head hidden,
+V draft vocab.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ class TTTBatch:
     valid_BT: torch.Tensor  # bool, False on padding
     aux_BTA: torch.Tensor
     last_BTH: torch.Tensor | None = None
+    doc_BT: torch.Tensor | None = None  # packed rows: document number per token, -1 on padding
+    position_ids_BT: torch.Tensor | None = None  # packed rows: positions restarting at each document
 
 
 @dataclass
@@ -49,18 +54,31 @@ def shift_left(x_BT: torch.Tensor, s: int, fill=0) -> torch.Tensor:
     return torch.cat([x_BT[:, s:], pad], dim=1)
 
 
+def padded_documents(valid_BT: torch.Tensor) -> torch.Tensor:
+    """Document numbers of a right-padded batch: one document per row (0), padding -1."""
+    return torch.where(valid_BT, 0, -1)
+
+
+def document_mask(doc_BT: torch.Tensor) -> torch.Tensor:
+    """Step-0 mask [B, T, T] (True = attend): causal inside each document; padding sees only padding."""
+    T = doc_BT.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_BT.device).tril()
+    return causal[None] & (doc_BT[:, :, None] == doc_BT[:, None, :])
+
+
 def causal_mask(valid_BT: torch.Tensor) -> torch.Tensor:
-    T = valid_BT.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=valid_BT.device).tril()
-    return causal[None] & valid_BT[:, None, :]
+    """The explicit step-0 mask of a right-padded batch (what `mask0=None` means on its valid rows)."""
+    return document_mask(padded_documents(valid_BT))
 
 
 def unroll_ttt(head, batch: TTTBatch, teacher: TeacherTargets, steps: int, step_weight: float,
                loss_fn: Callable) -> TTTResult:
-    ids, valid = batch.input_ids_BT, batch.valid_BT
+    ids = batch.input_ids_BT
     B, T = ids.shape
-    positions = torch.arange(T, device=ids.device).expand(B, T)
-    mask0 = causal_mask(valid)
+    packed = batch.doc_BT is not None
+    doc_BT = batch.doc_BT if packed else padded_documents(batch.valid_BT)
+    positions = batch.position_ids_BT if packed else torch.arange(T, device=ids.device).expand(B, T)
+    mask0 = document_mask(doc_BT) if packed else None  # None: plain causal (right padding needs no mask)
     attn = head.attention()
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
@@ -78,21 +96,24 @@ def unroll_ttt(head, batch: TTTBatch, teacher: TeacherTargets, steps: int, step_
         # 2. step j reads token x[t+1+j] and the previous step's hidden, at position t+j
         hidden = head.step(shift_left(ids, 1 + j), hidden, positions + j, attend, depth=j)
         logits = head.logits(hidden, depth=j)
-        # 3. its target is the teacher at t+1+j predicting x[t+2+j]; mask loss, padding and coverage
-        target_logp = shift_left(teacher.logp_BTV, 1 + j)
-        counted = (shift_left(batch.loss_mask_BT, 2 + j) > 0) & shift_left(valid, 2 + j, False) & valid
-        trained = counted & shift_left(teacher.covered_BT, 1 + j, False)
-        per_pos = loss_fn(logits, target_logp)
-        n = trained.sum().clamp(min=1)
-        step_loss = (per_pos * trained).sum() / n
+        # 3. its target is the teacher at t+1+j predicting x[t+2+j], for the M = T-2-j positions t where
+        #    that token exists; counted only inside one document, trained only where the draft vocab covers it
+        M = max(0, T - 2 - j)
+        logits_BMV = logits[:, :M]
+        doc_BM = doc_BT[:, :M]
+        counted_BM = (batch.loss_mask_BT[:, 2 + j:] > 0) & (doc_BT[:, 2 + j:] == doc_BM) & (doc_BM >= 0)
+        trained_BM = counted_BM & teacher.covered_BT[:, 1 + j:T - 1]
+        per_pos = loss_fn(logits_BMV, teacher.logp_BTV[:, 1 + j:T - 1])
+        n = trained_BM.sum().clamp(min=1)
+        step_loss = (per_pos * trained_BM).sum() / n
         total = total + step_weight**j * step_loss
         # 4. metrics on every counted position (coverage misses count as misses)
         with torch.no_grad():
-            q = torch.softmax(logits.float(), -1)
-            draft_argmax = head.draft_to_target(logits.argmax(-1))
-            hit = (draft_argmax == shift_left(teacher.argmax_BT, 1 + j)) & counted
-            accept = torch.minimum(q, shift_left(teacher.p_full_BTV, 1 + j)).sum(-1) * counted
-            c = counted.sum()
+            q_BMV = torch.softmax(logits_BMV.float(), -1)
+            draft_argmax = head.draft_to_target(logits_BMV.argmax(-1))
+            hit = (draft_argmax == teacher.argmax_BT[:, 1 + j:T - 1]) & counted_BM
+            accept = torch.minimum(q_BMV, teacher.p_full_BTV[:, 1 + j:T - 1]).sum(-1) * counted_BM
+            c = counted_BM.sum()
             stats[:, j] = torch.stack([step_loss.detach().double() * c, hit.sum().double(),
                                        accept.sum().double(), c.double()]).cpu()
     count = stats[3].clamp(min=1)

@@ -1,0 +1,175 @@
+"""One TTT training step (k = 7, SmolLM2-sized EAGLE-3 head, seq 1024): tokens/s and peak memory of
+specdistill's unroll against a straightforward version of the anchors' algorithm written here.
+
+Baseline ("naive"): teacher logits materialised over the full target vocabulary ([T, 49152] fp32, then
+softmax / log_softmax over it), and per step the full [T, T] step-0 score matrix concatenated with the
+diagonal terms of later steps, soft cross-entropy through autograd's log_softmax.
+Ours: `Teacher.from_last` (vocabulary chunks, draft vocab only), `unroll_ttt` with the fused CPU TTT
+attention and the soft cross-entropy that keeps no [T, V] copies; fp32, and optionally bf16 autocast.
+
+Method: each variant runs in its own subprocess (so peaks do not mix): build the head and inputs, note
+the resident set size (RSS, /proc/self/statm), run one step (teacher + forward + backward), read the
+peak RSS (getrusage ru_maxrss); peak memory = peak - RSS before the step. Then `--repeats` more steps
+are timed (best of) for tokens/s. Same config, same seed, same run.
+
+    python benchmarks/ttt.py [--seq 1024] [--repeats 2]
+Ends with: RESULT speedup=<ours/naive tokens/s> memory_ratio=<ours/naive peak> (fp32), and the
+same for bf16 autocast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+
+from specdistill.heads.eagle3 import Eagle3Config, Eagle3Head
+from specdistill.heads.layers import HeadArch
+from specdistill.train.loss import LOSSES
+from specdistill.train.teacher import Teacher
+from specdistill.train.ttt import TTTBatch, unroll_ttt
+
+STEPS, TARGET_VOCAB, DRAFT_VOCAB, TARGET_HIDDEN = 7, 49152, 8192, 576
+ARCH = HeadArch(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+
+
+def build(seq: int):
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config(arch=ARCH, vocab_size=TARGET_VOCAB, draft_vocab_size=DRAFT_VOCAB,
+                                   target_hidden_size=TARGET_HIDDEN, aux_layer_ids=[1, 14, 26], target_num_layers=30))
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    draft_ids = torch.sort(torch.randperm(TARGET_VOCAB)[:DRAFT_VOCAB]).values
+    head.d2t.copy_(draft_ids - torch.arange(DRAFT_VOCAB))
+    head.t2d.zero_()
+    head.t2d[draft_ids] = True
+    lm_head_W = torch.randn(TARGET_VOCAB, TARGET_HIDDEN) * 0.05
+    norm = torch.nn.RMSNorm(TARGET_HIDDEN, eps=1e-5)
+    batch = TTTBatch(torch.randint(0, TARGET_VOCAB, (1, seq)), torch.ones(1, seq, dtype=torch.long),
+                     torch.ones(1, seq, dtype=torch.bool), torch.randn(1, seq, 3 * TARGET_HIDDEN),
+                     torch.randn(1, seq, TARGET_HIDDEN))
+    return head, lm_head_W, norm, draft_ids, batch
+
+
+# ------------------------------------------------------------------ the baseline, written plainly
+
+
+def naive_attention(q, keys, values):
+    """Full step-0 scores [T, T] (causal) concatenated with the diagonal scores of steps 1..j."""
+    T = q.shape[2]
+    scores = torch.matmul(q, keys[0].transpose(-1, -2)) / q.shape[-1] ** 0.5
+    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    diag = [(q * k).sum(-1, keepdim=True) / q.shape[-1] ** 0.5 for k in keys[1:]]
+    probs = torch.softmax(torch.cat([scores, *diag], dim=-1), dim=-1)
+    out = torch.matmul(probs[..., :T], values[0])
+    for i, v in enumerate(values[1:]):
+        out = out + probs[..., T + i:T + i + 1] * v
+    return out
+
+
+def naive_step(head, lm_head_W, norm, draft_ids, batch) -> torch.Tensor:
+    ids = batch.input_ids_BT
+    B, T = ids.shape
+    with torch.no_grad():
+        target_logits = norm(batch.last_BTH) @ lm_head_W.T  # [B, T, 49152] fp32, materialised
+        target_p = torch.softmax(target_logits, -1)
+        target_argmax = target_logits.argmax(-1)
+        covered = head.t2d[target_argmax]
+        target_logp = torch.log_softmax(target_logits[..., draft_ids], -1)
+    attn = head.attention()
+    keys, values = [], []
+
+    def attend(q, k, v):
+        keys.append(attn.expand_kv(k))
+        values.append(attn.expand_kv(v))
+        return naive_attention(q, keys, values)
+
+    def shift(x, s):
+        return torch.cat([x[:, s:], torch.zeros_like(x[:, :s])], dim=1)
+
+    hidden = head.initial_hidden(batch.aux_BTA)
+    positions = torch.arange(T).expand(B, T)
+    total = 0.0
+    for j in range(STEPS):
+        hidden = head.step(shift(ids, 1 + j), hidden, positions + j, attend)
+        logits = head.logits(hidden)
+        mask = shift(batch.loss_mask_BT, 2 + j) * shift(covered.long(), 1 + j)
+        per_pos = -(shift(target_logp, 1 + j).exp() * torch.log_softmax(logits.float(), -1)).sum(-1)
+        total = total + 0.8**j * (per_pos * mask).sum() / mask.sum().clamp(min=1)
+        with torch.no_grad():  # the same metrics ours computes: accuracy and expected acceptance
+            q = torch.softmax(logits.float(), -1)
+            _ = (head.draft_to_target(logits.argmax(-1)) == shift(target_argmax, 1 + j)).sum()
+            _ = torch.minimum(q, shift(target_p[..., draft_ids], 1 + j)).sum(-1).sum()
+    return total
+
+
+def ours_step(head, lm_head_W, norm, draft_ids, batch, teacher: Teacher) -> torch.Tensor:
+    targets = teacher.from_last(batch.last_BTH)
+    return unroll_ttt(head, batch, targets, STEPS, 0.8, LOSSES["forward_kl"]).loss
+
+
+# ------------------------------------------------------------------ measurement
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def measure(variant: str, seq: int, repeats: int) -> dict:
+    head, lm_head_W, norm, draft_ids, batch = build(seq)
+    teacher = Teacher(norm, lm_head_W, head.d2t, head.t2d)
+    bf16 = variant.endswith("bf16")
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = (naive_step(head, lm_head_W, norm, draft_ids, batch) if variant.startswith("naive")
+                    else ours_step(head, lm_head_W, norm, draft_ids, batch, teacher))
+        loss.backward()
+        head.zero_grad(set_to_none=True)
+        return float(loss)
+
+    before = rss_bytes()
+    loss = step()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return {"variant": variant, "loss": loss, "seconds": min(times), "tokens_per_s": seq / min(times),
+            "peak_bytes": peak}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--variant", help=argparse.SUPPRESS)  # internal: run one variant and print JSON
+    args = parser.parse_args()
+    if args.variant:
+        print(json.dumps(measure(args.variant, args.seq, args.repeats)))
+        return
+    results = {}
+    for variant in ("naive", "ours", "naive-bf16", "ours-bf16"):
+        out = subprocess.run([sys.executable, __file__, "--variant", variant, "--seq", str(args.seq),
+                              "--repeats", str(args.repeats)], capture_output=True, text=True, check=True)
+        r = results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"{variant:11s} loss {r['loss']:.4f}  {r['tokens_per_s']:8.1f} tokens/s  "
+              f"peak +{r['peak_bytes'] / 2**20:7.0f} MiB", flush=True)
+    fp32 = (results["ours"]["tokens_per_s"] / results["naive"]["tokens_per_s"],
+            results["ours"]["peak_bytes"] / results["naive"]["peak_bytes"])
+    bf16 = (results["ours-bf16"]["tokens_per_s"] / results["naive"]["tokens_per_s"],
+            results["ours-bf16"]["peak_bytes"] / results["naive"]["peak_bytes"])
+    print(f"RESULT speedup={fp32[0]:.2f} memory_ratio={fp32[1]:.2f} "
+          f"bf16_speedup={bf16[0]:.2f} bf16_memory_ratio={bf16[1]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""Real acceptance of a draft head: tau, speedup, lossless check, baselines and serving advice.
+
+    python eval/acceptance.py head=runs/smollm2/ckpt/final bench=spec_bench limit=16 max_new_tokens=128 out=eval_out
+    python eval/acceptance.py head=runs/smollm2/export/sglang bench=my.jsonl eval.batch_size=4 eval.temperature=0.7
+    python eval/acceptance.py head=<dir> target=random bench=hf:<dataset dir>:test:prompt
+"""
+
+import logging
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from specdistill.config import ConfigError
+from specdistill.evaluate.acceptance import head_override, register
+from specdistill.evaluate.acceptance import main as evaluate_acceptance
+from specdistill.target import TargetNotFound
+
+register()
+log = logging.getLogger("specdistill")
+
+
+@hydra.main(config_path="../conf", config_name="acceptance", version_base=None)
+def main(dict_cfg: DictConfig) -> None:
+    try:
+        evaluate_acceptance(dict_cfg)
+    except (ConfigError, TargetNotFound, FileNotFoundError, ValueError) as err:
+        log.error("%s", err)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    sys.argv = head_override(sys.argv)
+    main()

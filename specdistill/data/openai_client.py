@@ -1,0 +1,82 @@
+"""Regeneration through any OpenAI-compatible chat server (vLLM or SGLang `serve`, ...).
+
+Requests run `concurrency` at a time; each has a timeout, and connection errors, timeouts, HTTP 408,
+429 and 5xx are retried with exponential backoff. Other HTTP errors and malformed replies are not
+retried: they say something about the request, so the row is rejected with the server's message.
+An API key, if needed, is read from OPENAI_API_KEY and never logged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+from tqdm.auto import tqdm
+
+from specdistill.config import GenerationConfig
+from specdistill.data.rejects import RowError
+
+log = logging.getLogger(__name__)
+
+RETRY_STATUS = {408, 429}
+
+
+class OpenAIBackend:
+    """`reply(conversations)`: the server's assistant reply to each conversation, or a RowError."""
+
+    def __init__(self, generation: GenerationConfig, model: str):
+        if not generation.server_url:
+            raise ValueError("config field `data.generation.server_url` is required for backend=openai")
+        self.url = generation.server_url.rstrip("/") + "/chat/completions"
+        self.model = generation.server_model or model
+        self.generation = generation
+        self.api_key = os.environ.get("OPENAI_API_KEY")
+
+    def reply(self, conversations: list[list[dict]], desc: str = "regenerate") -> list[str | RowError]:
+        with ThreadPoolExecutor(max_workers=self.generation.concurrency) as pool:
+            return list(tqdm(pool.map(self._complete, conversations), total=len(conversations), desc=desc,
+                             unit="req", leave=False))
+
+    def _request(self, messages: list[dict]) -> str:
+        g = self.generation
+        body = json.dumps({"model": self.model, "messages": messages, "temperature": g.temperature,
+                           "top_p": g.top_p, "max_tokens": g.max_new_tokens}).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
+        with urllib.request.urlopen(request, timeout=g.timeout_s) as response:
+            payload = response.read()
+        try:
+            content = json.loads(payload)["choices"][0]["message"]["content"]
+        except (json.JSONDecodeError, KeyError, IndexError, TypeError) as err:
+            raise RowError("bad_server_reply", f"{self.url} replied {payload[:200]!r}: {err}") from err
+        if not isinstance(content, str):
+            raise RowError("bad_server_reply", f"{self.url} replied content of type {type(content).__name__}")
+        return content
+
+    def _complete(self, messages: list[dict]) -> str | RowError:
+        g = self.generation
+        last = ""
+        for attempt in range(g.max_retries + 1):
+            try:
+                return self._request(messages)
+            except RowError as err:
+                return err
+            except urllib.error.HTTPError as err:
+                detail = err.read()[:200].decode(errors="replace")
+                if err.code not in RETRY_STATUS and err.code < 500:
+                    return RowError("server_rejected", f"{self.url}: HTTP {err.code}: {detail}")
+                last = f"HTTP {err.code}: {detail}"
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
+                last = f"{type(err).__name__}: {err}"
+            if attempt < g.max_retries:
+                delay = g.retry_backoff_s * 2**attempt
+                log.debug("request to %s failed (%s); retry %d in %.1fs", self.url, last, attempt + 1, delay)
+                time.sleep(delay)
+        return RowError("server_unavailable", f"{self.url}: {g.max_retries + 1} attempts failed; last: {last}")

@@ -1,0 +1,40 @@
+"""Acceptance metrics from verification rounds: tau, per-depth acceptance and the drafter's top-w
+coverage per depth (what the serving-advice model extrapolates from)."""
+
+from __future__ import annotations
+
+
+def tau(accepted: list[int]) -> float:
+    """Mean over verification rounds of (accepted draft tokens + 1): tokens per target forward."""
+    return sum(a + 1 for a in accepted) / max(1, len(accepted))
+
+
+def accept_per_depth(accepted: list[int], depth: int) -> list[float]:
+    """Share of verification rounds whose accepted path reached depth d, for d = 1..depth."""
+    rounds = max(1, len(accepted))
+    return [sum(a >= d for a in accepted) / rounds for d in range(1, depth + 1)]
+
+
+def accept_per_depth_conditional(accepted: list[int], depth: int) -> list[float]:
+    """P(path reaches depth d | it reached depth d - 1), for d = 1..depth (0 where no round got there)."""
+    reached = [len(accepted)] + [sum(a >= d for a in accepted) for d in range(1, depth + 1)]
+    return [reached[d] / reached[d - 1] if reached[d - 1] else 0.0 for d in range(1, depth + 1)]
+
+
+def coverage(hits: list[tuple[int, int, int]]) -> list[list[float]]:
+    """coverage[d - 1][w - 1] = P(the target's token is among the drafter's top-w children at depth d |
+    the path reached depth d - 1), from rounds whose parent offered at least w children.
+    hits: (depth, children of the accepted parent, rank of the accepted child or -1)."""
+    if not hits:
+        return []
+    max_depth = max(d for d, _, _ in hits)
+    table = []
+    for d in range(1, max_depth + 1):
+        at_depth = [(c, r) for dd, c, r in hits if dd == d]
+        widths = max((c for c, _ in at_depth), default=0)
+        row = []
+        for w in range(1, widths + 1):
+            offered = [r for c, r in at_depth if c >= w]
+            row.append(sum(0 <= r < w for r in offered) / len(offered))
+        table.append(row)
+    return table

@@ -1,0 +1,92 @@
+"""Writing an evaluation: report.json and outputs.jsonl (contract in DESIGN.md), the per-depth
+acceptance plot, a short markdown summary with the serving advice, and a W&B table when W&B is on."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from specdistill.config import WandbConfig
+from specdistill.evaluate.advice import advice_markdown
+from specdistill.io import atomic_path, write_json, write_jsonl
+
+log = logging.getLogger(__name__)
+
+
+def methods(report: dict) -> dict[str, dict]:
+    """The head's tree (the report's top level) and every baseline, by name."""
+    return {"head tree": report, **{name: m for name, m in report.get("baselines", {}).items()}}
+
+
+def summary_markdown(r: dict) -> str:
+    tree = r["tree"]
+    lossless = "not checked (sampling)" if r["lossless_mismatches"] is None else r["lossless_mismatches"]
+    lines = [f"# Acceptance on {r['bench']} ({r['num_prompts']} prompts, temperature {r['temperature']}, "
+             f"batch {r['batch_size']})", "",
+             f"- head: {r['head']} on target {r['target']}",
+             f"- tau: **{r['tau']:.2f}** tokens per target forward (tree depth {tree['depth']}, top-k {tree['topk']}, "
+             f"{tree['num_draft_tokens']} draft tokens)",
+             f"- speedup vs plain decoding (same run): **{r['speedup']:.2f}x** ({r['wall_s']:.1f}s vs "
+             f"{r['baseline_wall_s']:.1f}s; drafting {r['draft_s']:.1f}s, verification {r['verify_s']:.1f}s)",
+             f"- outputs differing from plain greedy decoding: {lossless}", "",
+             "| drafter | tau | speedup | target forwards | acceptance per depth |", "|---|---|---|---|---|"]
+    for name, m in methods(r).items():
+        depths = " ".join(f"{a:.2f}" for a in m["accept_per_depth"])
+        lines.append(f"| {name} | {m['tau']:.2f} | {m['speedup']:.2f}x | {m['target_forwards']} | {depths} |")
+    text = "\n".join(lines) + "\n"
+    return text + ("\n" + advice_markdown(r["serving_advice"]) if r.get("serving_advice") else "")
+
+
+def plot_acceptance(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    entries = methods(report)
+    width = 0.8 / len(entries)
+    for i, (name, m) in enumerate(entries.items()):
+        acc = m["accept_per_depth"]
+        ax.bar([d + 1 + (i - (len(entries) - 1) / 2) * width for d in range(len(acc))], acc, width,
+               label=f"{name} (tau {m['tau']:.2f})")
+    ax.set(xlabel="draft depth", ylabel="share of rounds accepted to this depth", ylim=(0, 1),
+           title=f"{report['bench']}: tau {report['tau']:.2f}, speedup {report['speedup']:.2f}x")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
+    plt.close(fig)
+
+
+def log_wandb(report: dict, wandb: WandbConfig, out_dir: Path, name: str) -> None:
+    """One table row per drafter, plus the per-batch serving advice."""
+    if wandb.mode == "disabled":
+        return
+    import wandb as wb
+
+    run = wb.init(project=wandb.project, entity=wandb.entity, mode=wandb.mode, dir=str(out_dir), name=name,
+                  job_type="eval", reinit="finish_previous")
+    columns = ["drafter", "tau", "speedup", "target_forwards", "new_tokens", "accept_per_depth"]
+    table = wb.Table(columns=columns)
+    for drafter, m in methods(report).items():
+        table.add_data(drafter, m["tau"], m["speedup"], m["target_forwards"], m["new_tokens"],
+                       str([round(a, 3) for a in m["accept_per_depth"]]))
+    logged = {"eval/acceptance": table, "eval/tau": report["tau"], "eval/speedup": report["speedup"]}
+    if report.get("serving_advice"):
+        rows = report["serving_advice"]["per_batch"]
+        advice = wb.Table(columns=list(rows[0]), data=[list(r.values()) for r in rows])
+        logged["eval/serving_advice"] = advice
+    run.log(logged)
+    run.finish()
+
+
+def write_report(report: dict, rows: list[dict], out_dir: Path, wandb: WandbConfig) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_jsonl(out_dir / "outputs.jsonl", rows)
+    write_json(out_dir / "report.json", report)
+    plot_acceptance(report, out_dir / "acceptance.png")
+    with atomic_path(out_dir / "summary.md") as tmp:
+        tmp.write_text(summary_markdown(report))
+    log_wandb(report, wandb, out_dir, f"eval-{report['bench']}")
+    log.info("wrote report.json, outputs.jsonl, acceptance.png and summary.md to %s", out_dir)

@@ -1,0 +1,177 @@
+"""The trainer on the smoke target: kill-and-resume, non-finite steps, online features, best head,
+packed batching, and a 2-rank DeepSpeed ZeRO-2 run on CPU."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from safetensors.torch import load_file
+
+from specdistill.capture.store import FeatureStore
+from specdistill.config import register, to_run_config
+from specdistill.target import load_target
+from specdistill.train.data import OnlineSource, StoreSource
+from specdistill.train.trainer import Trainer, deepspeed_config
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+register()
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory) -> Path:
+    """Prepared samples and a feature store of the smoke run (the train stage's inputs)."""
+    root = tmp_path_factory.mktemp("runs")
+    proc = subprocess.run([sys.executable, "train.py", "+exp=smoke", f"run_root={root}", "stages=[prepare,capture]"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root / "smoke"
+
+
+def run_dir_from(prepared: Path, root: Path, name: str) -> Path:
+    run_dir = root / name
+    shutil.copytree(prepared / "data", run_dir / "data")
+    shutil.copytree(prepared / "features", run_dir / "features")
+    return run_dir
+
+
+def compose_cfg(run_dir: Path, *overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return to_run_config(compose(config_name="config", overrides=[
+            "+exp=smoke", f"run_root={run_dir.parent}", f"name={run_dir.name}", *overrides]))
+
+
+RESUME_ARGS = ["stages=[train]", "train.max_steps=12", "train.ckpt_every=3", "train.keep_last=2", "train.grad_accum=2"]
+
+
+def train_command(run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "train.py", "+exp=smoke", f"run_root={run_dir.parent}", f"name={run_dir.name}",
+            *RESUME_ARGS, *extra]
+
+
+@pytest.mark.slow  # three training subprocesses: ~1-2 minutes on two busy cores
+def test_killed_run_resumes_to_the_same_weights_and_loss_curve(prepared, tmp_path):
+    reference = run_dir_from(prepared, tmp_path, "reference")
+    killed = run_dir_from(prepared, tmp_path, "killed")
+    proc = subprocess.run(train_command(reference), cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    victim = subprocess.Popen(train_command(killed), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env=ENV)
+    deadline = time.time() + 240
+    while not (killed / "ckpt" / "step-0000006").exists() and victim.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    assert victim.returncode == -signal.SIGKILL
+    assert not (killed / "ckpt" / "final").exists(), "the run ended before it could be killed"
+
+    proc = subprocess.run(train_command(killed), cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout + proc.stderr
+    want = load_file(str(reference / "ckpt" / "final" / "head.safetensors"))
+    got = load_file(str(killed / "ckpt" / "final" / "head.safetensors"))
+    assert want.keys() == got.keys()
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], atol=1e-6, rtol=0)
+    curve = [json.loads((d / "train" / "history.json").read_text()) for d in (reference, killed)]
+    assert [h["step"] for h in curve[0]] == [h["step"] for h in curve[1]] == list(range(1, 13))
+    for a, b in zip(*curve):
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 and a["acc/0"] == b["acc/0"]
+    # rotation keeps the last two checkpoints, each with everything a resume needs; the best head stays
+    assert [p.name for p in sorted((killed / "ckpt").glob("step-*"))] == ["step-0000009", "step-0000012"]
+    last = killed / "ckpt" / "step-0000012"
+    assert {"trainer_state.json", "rng-rank-0.safetensors", "optimizer.bin", "scheduler.bin"} <= {
+        p.name for p in last.iterdir()}
+    state = json.loads((last / "trainer_state.json").read_text())
+    assert state["step"] == 12 and state["micro"] == 24 and {"epoch", "batch_in_epoch"} <= state.keys()
+    assert (killed / "ckpt" / "best" / "head.safetensors").exists()
+
+
+def test_non_finite_steps_are_skipped_then_the_run_stops(prepared, tmp_path):
+    run_dir = run_dir_from(prepared, tmp_path, "blowup")
+    cfg = compose_cfg(run_dir, "train.lr=1e30", "train.warmup_ratio=0", "train.max_bad_steps=3",
+                      "train.max_steps=40", "train.grad_clip=1e30")
+    trainer = Trainer(cfg, load_target(cfg.target))
+    with pytest.raises(RuntimeError, match=r"3 non-finite steps in a row \(train.max_bad_steps=3\)"):
+        trainer.fit()
+    assert trainer.state.skipped == 3 and trainer.state.bad_in_row == 3
+    assert 0 < trainer.state.step < 40  # some steps were applied before the loss blew up
+    params = [p for p in trainer.head.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in params]
+    assert trainer.train_step(trainer.my_batches(0)[0]) is None  # a skipped step leaves the weights alone
+    assert all(torch.equal(a, p) for a, p in zip(before, params))
+
+
+def test_online_features_match_the_store_and_train(prepared, tmp_path):
+    run_dir = run_dir_from(prepared, tmp_path, "online")
+    shutil.rmtree(run_dir / "features")
+    cfg = compose_cfg(run_dir, "capture=online", "train.max_steps=3")
+    target = load_target(cfg.target)
+    stored = StoreSource(FeatureStore(prepared / "features"))
+    online = OnlineSource(run_dir / "data" / "samples", target, "last", 32, "cpu")
+    ids = [0, 5, 7]  # store order differs from the prepared rows': map through the store's source indices
+    rows = [stored.store.source_indices[i] for i in ids]
+    for a, b in zip(online.samples(rows), stored.samples(ids)):
+        assert torch.equal(a["input_ids"].int(), b["input_ids"].int())
+        # the store holds bf16 copies of the same tensors
+        torch.testing.assert_close(a["aux"].to(torch.bfloat16).float(), b["aux"].float(), atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(a["last"].to(torch.bfloat16).float(), b["last"].float(), atol=1e-2, rtol=1e-2)
+    result = Trainer(cfg, target).fit()
+    assert result["steps"] == 3 and (run_dir / "ckpt" / "final" / "head.safetensors").exists()
+    assert not (run_dir / "features").exists()
+
+
+def test_in_loop_tau_keeps_the_best_head_and_packing_trains(prepared, tmp_path):
+    run_dir = run_dir_from(prepared, tmp_path, "best")
+    cfg = compose_cfg(run_dir, "train.batching=pack", "train.eval_every=2", "train.max_steps=6",
+                      "train.ckpt_every=100")
+    taus = iter([1.5, 2.0, 1.8])
+    calls = []
+
+    def tau_of(head):
+        calls.append(head.training)
+        return {"tau": next(taus)}
+
+    trainer = Trainer(cfg, load_target(cfg.target), tau_evaluator=tau_of)
+    plan = trainer.my_batches(0)
+    assert all(len(batch) == 1 for batch in plan) and any(len(batch[0]) > 1 for batch in plan)  # packed rows
+    trainer.fit()
+    history = json.loads((run_dir / "train" / "history.json").read_text())
+    assert [h.get("tau") for h in history] == [None, 1.5, None, 2.0, None, 1.8] and calls == [False] * 3
+    assert json.loads((run_dir / "ckpt" / "best" / "best.json").read_text()) == {"step": 4, "tau": 2.0}
+    assert {"acc/0", "accept/2", "loss/1", "tau_sim", "holdout/tau_sim"} <= history[-1].keys()
+
+
+def test_deepspeed_configs_compose():
+    for stage, name in ((2, "zero2"), (3, "zero3")):
+        cfg = compose_cfg(Path("/nonexistent/smoke"), f"train.deepspeed={name}", "train.grad_accum=4")
+        ds = deepspeed_config(cfg, "no")
+        assert ds["zero_optimization"]["stage"] == stage
+        assert ds["gradient_accumulation_steps"] == 4 and ds["gradient_clipping"] == 0.5
+        assert ds["bf16"] == {"enabled": False}
+
+
+@pytest.mark.slow  # two ranks importing DeepSpeed: ~40 s
+def test_two_rank_zero2_run_on_cpu_splits_the_data(prepared, tmp_path):
+    run_dir = run_dir_from(prepared, tmp_path, "dist")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--main_process_port", "29533", "train.py", "+exp=smoke", f"run_root={tmp_path}",
+           "name=dist", "stages=[train]", "train.deepspeed=zero2", "train.max_steps=3", "train.grad_accum=2"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = [json.loads((run_dir / "train" / f"samples-rank-{r}.json").read_text()) for r in (0, 1)]
+    assert [r["world"] for r in ranks] == [2, 2]
+    assert len(ranks[0]["micro_batches"]) == len(ranks[1]["micro_batches"]) == 6  # 3 steps x 2 accumulated
+    for epoch in {b["epoch"] for b in ranks[0]["micro_batches"]}:
+        seen = [{i for b in r["micro_batches"] if b["epoch"] == epoch for i in b["ids"]} for r in ranks]
+        assert seen[0] and seen[1] and not seen[0] & seen[1], epoch
+    assert (run_dir / "ckpt" / "final" / "head.safetensors").exists()
