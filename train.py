@@ -6,30 +6,21 @@
     python train.py stages=[evaluate] eval.limit=32
 """
 
-import logging
-import sys
-
 import hydra
 from omegaconf import DictConfig
 
-from specdistill.config import ConfigError, register, to_run_config
+from specdistill.cli import exit_on_user_error
+from specdistill.config import register, to_run_config
 from specdistill.pipeline import run_stages
 from specdistill.summary import print_summary
-from specdistill.target import TargetNotFound
 
 register()
-log = logging.getLogger("specdistill")
 
 
 @hydra.main(config_path="conf", config_name="config", version_base=None)
 def main(dict_cfg: DictConfig) -> None:
-    try:
-        cfg = to_run_config(dict_cfg)
-        results = run_stages(cfg)
-    except (ConfigError, TargetNotFound) as err:
-        log.error("%s", err)
-        sys.exit(2)
-    print_summary(cfg, results)
+    cfg = exit_on_user_error(lambda: to_run_config(dict_cfg))
+    print_summary(cfg, exit_on_user_error(lambda: run_stages(cfg)))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ against plain `model.generate` (greedy, same prompts, same batch size, same dtyp
 
     python benchmarks/prepare.py                       # the embedded target, bf16, batch 32
     python benchmarks/prepare.py --target random --prompts 16 --max-new-tokens 32
+    python benchmarks/prepare.py --threads 1              # on a CPU shared with other jobs
 
 Baseline: `model.generate`. Ends with `RESULT ... regen_speedup=<ours / generate>`.
 """
@@ -62,7 +63,10 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=192)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (1 on a busy CPU)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     target = load_target(TargetConfig(name=args.target))
     model = copy.deepcopy(target.model).to(DTYPES[args.dtype])

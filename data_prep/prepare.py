@@ -5,16 +5,15 @@
 """
 
 import logging
-import sys
 
 import hydra
 from omegaconf import DictConfig
 
-from specdistill.config import ConfigError, register, to_run_config
+from specdistill.cli import exit_on_user_error
+from specdistill.config import register, to_run_config
 from specdistill.data.prepare import data_dir_of, run
-from specdistill.data.rejects import TooManyRejects
 from specdistill.pipeline import LazyTarget
-from specdistill.target import TargetNotFound, resolve_source
+from specdistill.target import resolve_source
 
 register()
 log = logging.getLogger("specdistill")
@@ -22,13 +21,9 @@ log = logging.getLogger("specdistill")
 
 @hydra.main(config_path="../conf", config_name="config", version_base=None)
 def main(dict_cfg: DictConfig) -> None:
-    try:
-        cfg = to_run_config(dict_cfg)
-        resolve_source(cfg.target)
-        summary = run(cfg, LazyTarget(cfg))
-    except (ConfigError, TargetNotFound, TooManyRejects, FileNotFoundError, ValueError) as err:
-        log.error("%s", err)
-        sys.exit(2)
+    cfg = exit_on_user_error(lambda: to_run_config(dict_cfg))
+    exit_on_user_error(lambda: resolve_source(cfg.target))
+    summary = exit_on_user_error(lambda: run(cfg, LazyTarget(cfg)))
     log.info("prepared %d samples (%d rejects) in %s", summary["samples"], summary["rejects"], data_dir_of(cfg))
 
 

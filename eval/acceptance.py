@@ -5,28 +5,21 @@
     python eval/acceptance.py head=<dir> target=random bench=hf:<dataset dir>:test:prompt
 """
 
-import logging
 import sys
 
 import hydra
 from omegaconf import DictConfig
 
-from specdistill.config import ConfigError
+from specdistill.cli import exit_on_user_error
 from specdistill.evaluate.acceptance import head_override, register
 from specdistill.evaluate.acceptance import main as evaluate_acceptance
-from specdistill.target import TargetNotFound
 
 register()
-log = logging.getLogger("specdistill")
 
 
 @hydra.main(config_path="../conf", config_name="acceptance", version_base=None)
 def main(dict_cfg: DictConfig) -> None:
-    try:
-        evaluate_acceptance(dict_cfg)
-    except (ConfigError, TargetNotFound, FileNotFoundError, ValueError) as err:
-        log.error("%s", err)
-        sys.exit(2)
+    exit_on_user_error(lambda: evaluate_acceptance(dict_cfg))
 
 
 if __name__ == "__main__":

@@ -3,25 +3,16 @@
     python scripts/export.py ckpt=runs/smollm2/ckpt/best formats=[sglang,vllm,speculators,trtllm] out=exported
 """
 
-import logging
-import sys
-
 import hydra
 from omegaconf import DictConfig
 
-from specdistill.export.common import ExportError
+from specdistill.cli import exit_on_user_error
 from specdistill.export.run import export_checkpoint
-
-log = logging.getLogger("specdistill")
 
 
 @hydra.main(config_path="../conf", config_name="export", version_base=None)
 def main(cfg: DictConfig) -> None:
-    try:
-        paths = export_checkpoint(cfg.ckpt, list(cfg.formats), cfg.out, cfg.dtype, cfg.target)
-    except (ExportError, FileNotFoundError) as err:
-        log.error("%s", err)
-        sys.exit(2)
+    paths = exit_on_user_error(lambda: export_checkpoint(cfg.ckpt, list(cfg.formats), cfg.out, cfg.dtype, cfg.target))
     for fmt, path in paths.items():
         print(f"{fmt}: {path}")
 

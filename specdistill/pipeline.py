@@ -7,8 +7,8 @@ stages from the run directory, so any stage can be re-run alone (`stages=[evalua
 from __future__ import annotations
 
 import importlib
-import re
 import logging
+import re
 import time
 
 from omegaconf import OmegaConf

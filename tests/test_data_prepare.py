@@ -104,3 +104,23 @@ def test_resume_from_the_cache_generates_nothing_again(prepared, tmp_path):
     finally:
         NoGeneration.restore()
     assert load_prepared(copy).samples["messages"] == load_prepared(out).samples["messages"]
+
+
+@pytest.mark.slow
+def test_real_embedded_target_synthesises_and_masks(tmp_path):
+    register()
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        cfg = to_run_config(compose("config", overrides=[
+            f"out={tmp_path}", "data.synth.num_conversations=4", "data.synth.batch_size=4",
+            "data.synth.question_max_tokens=24", "data.synth.answer_max_tokens=16"]))
+    target = LazyTarget(cfg)
+    summary = run(cfg, target)
+    tok = target.get().tokenizer
+    data = load_prepared(tmp_path)
+    assert summary["samples"] == 4 and data.vocab.size == cfg.data.draft_vocab_size
+    for row in data.samples:
+        text = tok.decode(row["input_ids"])
+        assert text.startswith("<|im_start|>system\n")  # SmolLM2's default system prompt, not trained
+        masked = [i for i, m in zip(row["input_ids"], row["loss_mask"]) if m]
+        answer = json.loads(row["messages"])[1]["content"]
+        assert tok.decode(masked) == answer + "<|im_end|>"

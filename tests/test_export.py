@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -293,9 +294,12 @@ def test_speculators_package_loads_our_export_with_the_same_logits(head, tmp_pat
     try:
         from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     except Exception as err:  # noqa: BLE001 - any import failure means the package cannot run beside ours
-        pytest.skip(f"the `speculators` package is not importable here ({type(err).__name__}: {err}); "
-                    "speculators 0.9.0 requires transformers<=5.19, older than this environment's, so it runs "
-                    "in its own virtual environment (pip install speculators, then run this test)")
+        reason = (f"the `speculators` package is not importable here ({type(err).__name__}: {err}); "
+                  "speculators 0.9.0 requires transformers<=5.19, older than this environment's, so "
+                  "`make test SLOW=1` runs this test in its own environment (`make interop`)")
+        if os.environ.get("SPECDISTILL_INTEROP") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
     from transformers import LlamaForCausalLM
 
     verifier = tmp_path / "verifier"  # the package reads the verifier's config and embedding

@@ -1,18 +1,12 @@
 """Each Triton kernel equals its torch reference on random inputs (Triton interpreted on CPU)."""
 
-import os
-
+import pytest
 import torch
 
-if not torch.cuda.is_available():  # must be set before the Triton kernels are first imported
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-
-from specdistill.spec import kernels  # noqa: E402
-from specdistill.spec.kernels import reference  # noqa: E402
-from specdistill.spec.kernels import triton_kernels as triton_impl  # noqa: E402
-from specdistill.spec.tree import random_tree  # noqa: E402
+from specdistill.spec import kernels
+from specdistill.spec.kernels import reference
+from specdistill.spec.kernels import triton_kernels as triton_impl
+from specdistill.spec.tree import random_tree
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(1, 1), (2, 7), (3, 33), (2, 70)]  # (batch, nodes): a lone root, < 32, just over 32, > 64

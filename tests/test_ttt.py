@@ -1,17 +1,15 @@
 """The Training-Time Test: attention against an explicit-mask reference, gradients, and train/draft agreement."""
 
+import pytest
 import torch
 
-import pytest
-
 from specdistill.heads.eagle3 import Eagle3Config, Eagle3Head
-from specdistill.heads.mtp import MTPConfig, MTPHead
 from specdistill.heads.layers import HeadArch, ttt_attention
+from specdistill.heads.mtp import MTPConfig, MTPHead
 from specdistill.spec.decode import Drafter
 from specdistill.train.loss import LOSSES
 from specdistill.train.teacher import TeacherTargets
 from specdistill.train.ttt import TTTBatch, causal_mask, unroll_ttt
-
 
 HEAD_KINDS = ["eagle3", "mtp", "mtp3"]
 

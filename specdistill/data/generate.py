@@ -5,7 +5,8 @@ keep costing a slot. A decode step on CPU costs about the same for 20 rows as fo
 weights dominates), so here a row that stops leaves at once and a waiting prompt takes its slot:
 waiting prompts are prefilled as a group, left padded, and joined to the running batch's KV cache.
 Columns that became padding for every live row are trimmed, so the cache stays as wide as the
-oldest live row needs. Prompts are taken shortest first (less padding).
+oldest live row needs. Prompts are taken shortest first (less padding). The KV cache grows in place
+(buffers with spare columns) instead of being copied at every step.
 
 Legend: B = live rows, W = cache width (columns), V = vocab, K = nucleus candidates.
 """
@@ -21,10 +22,12 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 log = logging.getLogger(__name__)
 
-NUCLEUS_CANDIDATES = 256
+NUCLEUS_CANDIDATES = (256, 4096)  # top-k sizes tried before a full sort
+SPARE_COLUMNS = 64  # KV columns allocated ahead
 SMALL_MODEL_PARAMS = 20_000_000  # below this a decode step is too small to split across threads
 
 
@@ -57,14 +60,53 @@ def sample_next(logits_BV: torch.Tensor, temperature: float, top_p: float,
     probs_BV = torch.softmax(logits_BV.float() / temperature, dim=-1)
     if top_p >= 1.0:
         return torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
-    # The nucleus is usually within the top few hundred tokens: a top-k is far cheaper than sorting the
-    # vocabulary, and exact whenever those tokens already hold `top_p` of the mass (else: full sort).
-    top_BK, ids_BK = probs_BV.topk(min(NUCLEUS_CANDIDATES, probs_BV.shape[-1]), dim=-1)
-    if (top_BK.sum(dim=-1) < top_p).any():
-        top_BK, ids_BK = probs_BV.sort(dim=-1, descending=True)
-    outside_BK = top_BK.cumsum(dim=-1) - top_BK > top_p  # keep the smallest set reaching top_p
-    top_BK[outside_BK] = 0.0
-    return ids_BK.gather(-1, torch.multinomial(top_BK, 1, generator=generator)).squeeze(-1)
+    # The nucleus usually lies within the top few hundred or thousand tokens: a top-k is far cheaper than
+    # sorting the vocabulary, and exact for every row whose top-k already holds `top_p` of the mass;
+    # only the other rows go on to a larger k, and finally to the whole (sorted) vocabulary.
+    vocab = probs_BV.shape[-1]
+    tokens_B = torch.empty(probs_BV.shape[0], dtype=torch.int64)
+    rows_R = torch.arange(probs_BV.shape[0])
+    for k in (*NUCLEUS_CANDIDATES, vocab):
+        top_RK, ids_RK = probs_BV[rows_R].topk(min(k, vocab), dim=-1)
+        done_R = top_RK.sum(dim=-1) >= top_p if k < vocab else torch.ones_like(rows_R, dtype=torch.bool)
+        top_RK, ids_RK = top_RK[done_R], ids_RK[done_R]
+        top_RK[top_RK.cumsum(dim=-1) - top_RK > top_p] = 0.0  # keep the smallest set reaching top_p
+        picked_R = torch.multinomial(top_RK, 1, generator=generator) if len(top_RK) else ids_RK[:, :1]
+        tokens_B[rows_R[done_R]] = ids_RK.gather(-1, picked_R).squeeze(-1)
+        rows_R = rows_R[~done_R]
+        if rows_R.numel() == 0:
+            break
+    return tokens_B
+
+
+class _GrowingLayer(DynamicLayer):
+    """A KV layer whose keys/values are views into buffers with spare columns: appending a token writes
+    in place, where the plain layer copies the whole cache every step (B * W * layers bytes per token)."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n, add = (self.keys.shape[-2] if self.keys.numel() else 0), key_states.shape[-2]
+        buf_k = getattr(self, "_buf_k", None)
+        owned = (buf_k is not None and self.keys.numel() and self.keys.data_ptr() == buf_k.data_ptr()
+                 and self.keys.shape[:2] == buf_k.shape[:2])
+        if not owned or n + add > buf_k.shape[-2]:
+            capacity = n + add + max(SPARE_COLUMNS, n // 2)
+            self._buf_k = key_states.new_empty((*key_states.shape[:2], capacity, key_states.shape[-1]))
+            self._buf_v = value_states.new_empty((*value_states.shape[:2], capacity, value_states.shape[-1]))
+            if n:
+                self._buf_k[:, :, :n] = self.keys
+                self._buf_v[:, :, :n] = self.values
+        self._buf_k[:, :, n: n + add] = key_states
+        self._buf_v[:, :, n: n + add] = value_states
+        self.keys, self.values = self._buf_k[:, :, : n + add], self._buf_v[:, :, : n + add]
+        return self.keys, self.values
+
+
+def _growing_cache() -> DynamicCache:
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = _GrowingLayer
+    return cache
 
 
 @dataclass
@@ -135,7 +177,7 @@ class LocalGenerator:
             input_ids_BW[b, width - len(prompts[r]):] = torch.tensor(prompts[r], dtype=torch.int64)
             attention_BW[b, width - len(prompts[r]):] = 1
         positions_BW = (attention_BW.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
+        cache = _growing_cache()
         # The last position as an index tensor, not `logits_to_keep=1`: the int form hands lm_head a strided
         # view, and torch's CPU matmul then copies the whole lm_head weight once per row (~20x slower).
         out = self.model(input_ids=input_ids_BW, attention_mask=attention_BW, position_ids=positions_BW,

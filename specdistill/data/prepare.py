@@ -146,6 +146,8 @@ def run(cfg: RunConfig, target) -> dict:
     for part in (counted, tok_rejects):
         failing.extend(part)
     failing.check_share(total_rows, cfg.data.max_reject_share, data_dir / "rejects.jsonl")
+    if len(samples) == 0:
+        raise RuntimeError(f"prepare produced no samples from {total_rows} conversations; see {data_dir / 'rejects.jsonl'}")
     _save_samples(samples, data_dir / "samples")
     vocab.save(data_dir / "vocab.safetensors")
     summary = _summary(cfg, want, samples, vocab, rejects, total_rows, timings)

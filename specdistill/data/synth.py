@@ -47,9 +47,10 @@ def synthesize(generator: LocalGenerator, chat: ChatFormat, synth: SynthConfig, 
     conversations: list[dict] = []
     rejects = RejectLog()
     seen: set[str] = set()
-    # An attempt samples up to two batches of questions (a little more than needed, for rejects) and
-    # answers them in one continuously batched call; each attempt is one cache entry.
-    chunk = 2 * synth.batch_size
+    # An attempt samples a little more questions than needed (for rejects), up to eight batches, and answers
+    # them in one continuously batched call (each call ends by draining its batch, so fewer calls waste
+    # fewer decode steps); each attempt is one cache entry.
+    chunk = 8 * synth.batch_size
     max_attempts = MAX_ATTEMPTS_PER_NEEDED * math.ceil(synth.num_conversations / chunk) + 2
     for attempt in range(max_attempts):
         needed = synth.num_conversations - len(conversations)

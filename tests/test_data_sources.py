@@ -1,0 +1,135 @@
+"""Sources: every row format, local file kinds, broken rows rejected with reason and position, and the
+prepare stage tokenizing a local file as is (data.regenerate=false)."""
+
+import json
+from pathlib import Path
+
+import datasets
+import pytest
+from hydra import compose, initialize_config_dir
+
+from specdistill.config import register, to_run_config
+from specdistill.data.prepare import load_prepared, run
+from specdistill.data.rejects import RowError, TooManyRejects
+from specdistill.data.sources import read_conversations, to_messages
+from specdistill.io import read_jsonl
+from specdistill.pipeline import LazyTarget
+
+CONF = str(Path(__file__).resolve().parents[1] / "conf")
+EXPECTED = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+GOOD_ROWS = [
+    {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+    {"data": ["hi", "yo"]},
+]
+BROKEN_LINES = [
+    ('{"messages": [{"role": "user", "content": "hi"}]', "invalid_json"),
+    ('{"text": "no conversation here"}', "unknown_format"),
+    ('{"messages": [{"role": "user"}]}', "missing_field"),
+    ('{"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "x"}]}', "empty_content"),
+    ('{"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}]}', "non_string_content"),
+    ('{"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]}', "unknown_role"),
+    ('{"messages": [{"role": "user", "content": "only a question"}]}', "no_assistant_turn"),
+    ('{"conversations": []}', "missing_field"),
+]
+
+
+def test_every_format_gives_the_same_messages():
+    for row in GOOD_ROWS:
+        assert to_messages(row) == EXPECTED
+    assert to_messages({"turns": ["a", "b"]}) == [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+    assert to_messages({"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "q"}]},
+                       "sharegpt")[0] == {"role": "system", "content": "s"}
+
+
+def test_forced_format_names_the_missing_field():
+    with pytest.raises(RowError, match="field `conversations`"):
+        to_messages({"messages": EXPECTED}, "sharegpt")
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json", "parquet", "arrow_dir"])
+def test_local_file_kinds(tmp_path, kind):
+    rows = [{"messages": EXPECTED}] * 3
+    if kind == "jsonl":
+        path = tmp_path / "c.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif kind == "json":
+        path = tmp_path / "c.json"
+        path.write_text(json.dumps(rows))
+    elif kind == "parquet":
+        path = tmp_path / "c.parquet"
+        datasets.Dataset.from_list(rows).to_parquet(str(path))
+    else:
+        path = tmp_path / "saved"
+        datasets.Dataset.from_list(rows).save_to_disk(str(path))
+    items = list(read_conversations([str(path)], "auto"))
+    assert [i.row["messages"] for i in items] == [EXPECTED] * 3 and all(i.error is None for i in items)
+
+
+def write_broken_file(path: Path, good: int) -> None:
+    lines = [json.dumps(GOOD_ROWS[i % 3]) for i in range(good)] + [line for line, _ in BROKEN_LINES]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def jsonl_cfg(path, out, *overrides):
+    register()
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        dict_cfg = compose("config", overrides=["+exp=smoke", "data.source=jsonl", f"data.path={path}",
+                                                "data.regenerate=false", f"out={out}", *overrides])
+    return to_run_config(dict_cfg)
+
+
+def test_prepare_a_local_file_as_is_with_rejects(tmp_path):
+    source = tmp_path / "chats.jsonl"
+    write_broken_file(source, good=40)
+    cfg = jsonl_cfg(source, tmp_path / "out")
+    summary = run(cfg, LazyTarget(cfg))
+    assert summary["samples"] == 40 and summary["conversations"] == 48
+    rejects = read_jsonl(tmp_path / "out" / "rejects.jsonl")
+    assert sorted((int(r["position"].split()[1]), r["reason"]) for r in rejects) == [
+        (41 + i, reason) for i, (_, reason) in enumerate(BROKEN_LINES)]
+    assert all(r["source"] == str(source) for r in rejects)
+    assert summary["rejects_by_reason"]["missing_field"] == 2
+    data = load_prepared(tmp_path / "out")
+    assert json.loads(data.samples[0]["messages"]) == EXPECTED
+    assert json.loads(data.samples[0]["provenance"]) == {"source": str(source), "row": "line 1",
+                                                         "target": "random", "regenerated": False}
+
+
+def test_too_many_rejects_fail_with_a_clear_message(tmp_path):
+    source = tmp_path / "chats.jsonl"
+    write_broken_file(source, good=4)
+    cfg = jsonl_cfg(source, tmp_path / "out")
+    with pytest.raises(TooManyRejects, match=r"8 of 12 rows rejected .*max_reject_share"):
+        run(cfg, LazyTarget(cfg))
+    assert len(read_jsonl(tmp_path / "out" / "rejects.jsonl")) == 8  # kept for the user to look at
+    assert not (tmp_path / "out" / "summary.json").exists()
+
+
+def test_command_line_tokenizes_a_local_file(tmp_path):
+    import subprocess
+    import sys
+
+    source = tmp_path / "chats.jsonl"
+    write_broken_file(source, good=40)
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, str(root / "data_prep" / "prepare.py"), "+exp=smoke", "data.source=jsonl",
+                           f"data.path={source}", "data.regenerate=false", f"out={tmp_path / 'out'}"],
+                          capture_output=True, text=True, cwd=root, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(load_prepared(tmp_path / "out").samples) == 40
+    assert len(read_jsonl(tmp_path / "out" / "rejects.jsonl")) == len(BROKEN_LINES)
+    bad = subprocess.run([sys.executable, str(root / "data_prep" / "prepare.py"), "+exp=smoke", "data.source=jsonl",
+                          f"out={tmp_path / 'out2'}"], capture_output=True, text=True, cwd=root, timeout=300)
+    assert bad.returncode == 2 and "data.path" in bad.stdout + bad.stderr
+
+
+def test_num_proc_gives_the_same_samples(tmp_path):
+    source = tmp_path / "chats.jsonl"
+    write_broken_file(source, good=12)
+    one = jsonl_cfg(source, tmp_path / "one", "data.max_reject_share=0.5")
+    two = jsonl_cfg(source, tmp_path / "two", "data.max_reject_share=0.5", "data.num_proc=2")
+    run(one, LazyTarget(one))
+    run(two, LazyTarget(two))
+    a, b = load_prepared(tmp_path / "one").samples, load_prepared(tmp_path / "two").samples
+    assert a["input_ids"] == b["input_ids"] and a["loss_mask"] == b["loss_mask"]
