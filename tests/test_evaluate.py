@@ -107,6 +107,7 @@ def test_acceptance_cli_writes_the_report_contract(smoke_head, tmp_path):
     proc = subprocess.run(
         [sys.executable, "eval/acceptance.py", f"head={head_dir}", "target=random", f"bench={bench}", "limit=3",
          "max_new_tokens=8", f"out={out}", "wandb.mode=disabled", "eval.batch_size=2", "eval.max_turns=2",
+         "eval.baselines=[prompt_lookup,chain]",
          "eval.tree.depth=3", "eval.tree.topk=4", "eval.tree.num_draft_tokens=12"],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
