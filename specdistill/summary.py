@@ -12,6 +12,8 @@ def print_summary(cfg: RunConfig, results: dict[str, dict]) -> None:
     if "train" in results:
         t = results["train"]
         lines.append(f"  head: {t['head']} (steps {t['steps']}, step-0 accuracy {t.get('acc0') or 0:.2f})")
+        if t.get("best"):
+            lines.append(f"  best head (evaluated and exported): {t['best']}")
     if "evaluate" in results:
         e = results["evaluate"]
         lines.append(f"  tau {e['tau']:.2f}, speedup {e['speedup']:.2f}x vs plain greedy, "
