@@ -35,6 +35,7 @@ from specdistill.capture.store import (
     write_manifest,
 )
 from specdistill.config import RunConfig
+from specdistill.distributed import rank_and_world
 from specdistill.target import Target, TargetRunner
 
 log = logging.getLogger(__name__)
@@ -171,9 +172,7 @@ def _distributed() -> tuple[int, int, torch.device]:
     from accelerate import PartialState
 
     device = PartialState().device  # initialises torch.distributed under `accelerate launch`
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size(), device
-    return 0, 1, device
+    return (*rank_and_world(), device)
 
 
 def _barrier(world: int) -> None:

@@ -32,7 +32,6 @@ from specdistill.data.generate import LocalGenerator
 from specdistill.data.openai_client import OpenAIBackend
 from specdistill.data.regenerate import (
     LocalBackend,
-    rank_and_world,
     regenerate_rows,
     row_key,
     sampling_params,
@@ -42,6 +41,7 @@ from specdistill.data.sources import read_conversations
 from specdistill.data.synth import synthesize
 from specdistill.data.template import ChatFormat
 from specdistill.data.vocab import DraftVocab, build_draft_vocab, count_tokens
+from specdistill.distributed import rank_and_world
 from specdistill.io import write_json
 from specdistill.target import DTYPES, Target
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
-import torch
-
 from specdistill.config import GenerationConfig
 from specdistill.data.cache import ConversationCache, content_key
 from specdistill.data.generate import LocalGenerator
@@ -48,12 +46,6 @@ class LocalBackend:
         tokenizer = self.chat.tokenizer
         return [r if r is not None else tokenizer.decode(next(outs).token_ids, skip_special_tokens=True).strip()
                 for r in results]
-
-
-def rank_and_world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
 
 
 def sampling_params(generation: GenerationConfig, backend: str) -> dict:

@@ -23,7 +23,7 @@ from specdistill.evaluate import metrics
 from specdistill.evaluate.advice import advise, head_cost, target_cost
 from specdistill.evaluate.bench import conversation_ids, load_prompts
 from specdistill.evaluate.report import write_report
-from specdistill.heads import HEAD_CONFIG, load_head
+from specdistill.heads import HEAD_CONFIG, load_head, trained_head_dir
 from specdistill.spec import kernels
 from specdistill.spec.decode import (
     GREEDY,
@@ -37,11 +37,6 @@ from specdistill.target import Target, TargetRunner
 
 log = logging.getLogger(__name__)
 MAIN = "head tree"
-
-
-def head_dir(run_dir: Path) -> Path:
-    best = run_dir / "ckpt" / "best"
-    return best if best.exists() else run_dir / "ckpt" / "final"
 
 
 def load_any_head(path: str | Path, target: Target):
@@ -217,7 +212,7 @@ def evaluate_head_tau(head, target: Target, prompts: list[str], cfg: EvalConfig)
 
 def run(cfg: RunConfig, target) -> dict:
     out_dir = Path(cfg.out) if cfg.out else cfg.run_dir / "eval"
-    path = head_dir(cfg.run_dir)
+    path = trained_head_dir(cfg.run_dir)
     report = evaluate(cfg, target.get(), load_head(path), out_dir, str(path))
     log.info("tau %.2f, speedup %.2fx, lossless mismatches %s; report in %s", report["tau"], report["speedup"],
              report["lossless_mismatches"], out_dir / "report.json")

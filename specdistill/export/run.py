@@ -7,18 +7,10 @@ from pathlib import Path
 
 from specdistill.config import EMBEDDED_TARGET, RANDOM_TARGET, RunConfig
 from specdistill.export import EAGLE3_LAYOUTS, MTP_LAYOUTS, common, export_eagle3, export_mtp
-from specdistill.heads import HEAD_CONFIG, load_head
+from specdistill.heads import load_head, trained_head_dir
 
 log = logging.getLogger(__name__)
 SERVED_NAMES = {EMBEDDED_TARGET: "HuggingFaceTB/SmolLM2-135M-Instruct", RANDOM_TARGET: None}  # engines' names
-
-
-def find_checkpoint(run_dir: Path) -> Path:
-    """`ckpt/best/` if training kept one, else `ckpt/final/`."""
-    for name in ("best", "final"):
-        if (run_dir / "ckpt" / name / HEAD_CONFIG).exists():
-            return run_dir / "ckpt" / name
-    raise FileNotFoundError(f"{run_dir / 'ckpt'}: neither best/ nor final/ holds a head checkpoint; run the train stage first")
 
 
 def export_checkpoint(ckpt: str | Path, formats: list[str], out: str | Path, dtype: str = "bfloat16",
@@ -42,5 +34,5 @@ def run(cfg: RunConfig, target=None) -> dict:
     """Export stage entry; `target` is unused (every dimension is in the head config)."""
     out = Path(cfg.out) if cfg.out else cfg.run_dir / "export"
     served = SERVED_NAMES.get(cfg.target.name, cfg.target.name)
-    paths = export_checkpoint(find_checkpoint(cfg.run_dir), cfg.export.formats, out, cfg.export.dtype, served)
+    paths = export_checkpoint(trained_head_dir(cfg.run_dir), cfg.export.formats, out, cfg.export.dtype, served)
     return {"formats": paths}

@@ -94,3 +94,12 @@ def load_head(directory: str | Path, device: str | torch.device = "cpu"):
     if missing or unexpected:
         raise ValueError(f"{directory / HEAD_WEIGHTS}: missing keys {missing}, unexpected keys {unexpected}")
     return head.to(device)
+
+
+def trained_head_dir(run_dir: str | Path) -> Path:
+    """`ckpt/best/` if training kept one, else `ckpt/final/`: the head evaluate and export use."""
+    for name in ("best", "final"):
+        if (Path(run_dir) / "ckpt" / name / HEAD_CONFIG).exists():
+            return Path(run_dir) / "ckpt" / name
+    raise FileNotFoundError(f"{Path(run_dir) / 'ckpt'}: neither best/ nor final/ holds a head checkpoint; "
+                            "run the train stage first")

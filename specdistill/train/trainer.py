@@ -30,6 +30,7 @@ from specdistill.capture.run import samples_dir
 from specdistill.capture.store import FeatureStore
 from specdistill.config import RunConfig
 from specdistill.data.vocab import DraftVocab
+from specdistill.distributed import rank_and_world
 from specdistill.heads import build_head, save_head
 from specdistill.io import atomic_dir, save_tensors, write_json
 from specdistill.pipeline import redacted
@@ -54,13 +55,6 @@ class TTTModel(nn.Module):
 
     def forward(self, batch: TTTBatch, teacher) -> TTTResult:
         return unroll_ttt(self.head, batch, teacher, self.steps, self.step_weight, self.loss_fn)
-
-
-def rank_and_world() -> tuple[int, int]:
-    """From torch.distributed: accelerate may report `0 of 1` under DeepSpeed on CPU."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
 
 
 def deepspeed_config(cfg: RunConfig, precision: str) -> dict:

@@ -1,0 +1,12 @@
+"""Rank and world size, read from torch.distributed: accelerate 1.15 reports `0 of 1` under DeepSpeed
+on CPU even when DeepSpeed formed a real multi-rank group."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rank_and_world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
