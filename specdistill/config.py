@@ -57,6 +57,15 @@ class SynthConfig:
     min_question_chars: int = 12
     answer_max_tokens: int = 192
     batch_size: int = 64  # rows decoded together; a CPU decode step costs about the same for 32 or 64
+    # Each question starts from one of these openers, drawn uniformly ("" = free Magpie): steers the mix
+    # of tasks (instructions, math, code, translation) without any seed dataset.
+    openers: list[str] = field(default_factory=lambda: [""])
+    # Share of conversations that work over a document the target wrote itself (one of the answers
+    # above), through one of `document_prompts` ("{document}" marks where it goes): summarising,
+    # rewriting, translating, answering from context; the head learns to copy from its context.
+    document_share: float = 0.0
+    document_prompts: list[str] = field(default_factory=lambda: ["Summarize the following text.\n\n{document}"])
+    document_min_chars: int = 300
 
 
 @dataclass
@@ -136,7 +145,7 @@ class TrainConfig:
     grad_accum: int = 1
     grad_clip: float = 0.5
     deepspeed: str | None = None  # null | zero2 | zero3 (a file under conf/deepspeed/)
-    mixed_precision: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    mixed_precision: str = "auto"  # auto: bf16 on GPU and on CPUs with native bf16 (not under DeepSpeed), else fp32
     ckpt_every: int = 200
     keep_last: int = 2
     eval_every: int = 0  # steps between in-loop tau evaluations (0: off)
@@ -259,6 +268,14 @@ def validate(cfg: RunConfig) -> None:
     if cfg.data.generation.backend == "openai" and cfg.data.regenerate:
         _check(cfg.data.generation.server_url is not None, "data.generation.server_url", "is required for backend=openai")
     _check(cfg.data.draft_vocab_size > 0, "data.draft_vocab_size", "must be positive")
+    synth = cfg.data.synth
+    _check(len(synth.openers) > 0, "data.synth.openers", "is empty; use [\"\"] for free Magpie questions")
+    _check(0.0 <= synth.document_share < 1.0, "data.synth.document_share", "must be in [0, 1)")
+    for i, template in enumerate(synth.document_prompts):
+        _check("{document}" in template, f"data.synth.document_prompts[{i}]",
+               f"{template[:60]!r} has no {{document}} placeholder")
+    _check(synth.document_share == 0 or len(synth.document_prompts) > 0, "data.synth.document_prompts",
+           "is empty but data.synth.document_share > 0")
     _check(0.0 <= cfg.data.max_reject_share <= 1.0, "data.max_reject_share", "must be in [0, 1]")
     _check(cfg.data.max_length >= 8, "data.max_length", "must be at least 8")
     _choice(cfg.capture.mode, ("offline", "online"), "capture.mode")

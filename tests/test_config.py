@@ -38,7 +38,9 @@ def test_default_is_the_embedded_target_with_all_stages():
 @pytest.mark.parametrize(
     "override, field",
     [("stages=[prepare,bogus]", "stages"), ("train.loss=l2", "train.loss"), ("eval.tree.depth=0", "eval.tree.depth"),
-     ("data.source=jsonl", "data.path"), ("export.formats=[onnx]", "export.formats")],
+     ("data.source=jsonl", "data.path"), ("export.formats=[onnx]", "export.formats"),
+     ("data.synth.document_prompts=[Summarize]", r"data.synth.document_prompts\[0\]"),
+     ("data.synth.document_share=1.0", "data.synth.document_share")],
 )
 def test_config_errors_name_the_field(override, field):
     with pytest.raises(ConfigError, match=f"`{field}`"):

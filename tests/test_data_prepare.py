@@ -66,6 +66,23 @@ def test_conversations_are_unique_and_masks_cover_the_answer(prepared):
         assert provenance["answer_sampling"]["temperature"] == 0.0
 
 
+def test_questions_follow_openers_and_documents_are_earlier_answers(prepared):
+    cfg, out, _, _ = prepared
+    synth = cfg.data.synth
+    rows = [(json.loads(r["messages"]), json.loads(r["provenance"])) for r in load_prepared(out).samples]
+    answers = {p["row"]: m[1]["content"] for m, p in rows if "document_of" not in p}
+    documents = [(m, p) for m, p in rows if "document_of" in p]
+    assert len(documents) == round(synth.num_conversations * synth.document_share) > 0
+    for messages, provenance in rows:
+        if "document_of" in provenance:
+            document = answers[provenance["document_of"]]
+            assert len(document) >= synth.document_min_chars
+            assert messages[0]["content"] == provenance["document_prompt"].replace("{document}", document)
+        else:
+            assert provenance["opener"] in synth.openers
+            assert messages[0]["content"].startswith(provenance["opener"])
+
+
 def test_vocab_counts_match_the_samples(prepared):
     cfg, out, _, target = prepared
     data = load_prepared(out)

@@ -66,13 +66,14 @@ def test_advice_speedup_falls_as_batch_grows():
     fixed = [expected_speedup(3.0, 6, 8, 60, b, target, head, cfg) for b in cfg.batch_sizes]
     # flat while memory-bound (within 1%: fixed drafting costs thin out as KV reads grow), then falling
     assert all(a >= 0.99 * b for a, b in zip(fixed, fixed[1:])) and fixed[0] > 1.5 > 1.0 > fixed[-1]
-    advice = advise(table, target, head, cfg, "eagle3", "/heads/h")
+    advice = advise(table, target, head, cfg, "eagle3", {"sglang": "/run/export/sglang", "vllm": "/run/export/vllm"})
     best = [r["expected_speedup"] for r in advice["per_batch"]]
     assert all(a >= 0.99 * b for a, b in zip(best, best[1:])) and best[-1] < 0.7 * best[0]
     small, large = advice["per_batch"][0], advice["per_batch"][-1]
     assert small["num_draft_tokens"] >= large["num_draft_tokens"] or not large["speculate"]
     assert f"--speculative-num-draft-tokens {small['num_draft_tokens'] + 1}" in small["sglang"]
     assert '"num_speculative_tokens"' in small["vllm"] and "--speculative-eagle-topk" in small["sglang"]
+    assert "path /run/export/sglang " in small["sglang"] and '"model": "/run/export/vllm"' in small["vllm"]
 
 
 @pytest.fixture(scope="module")

@@ -16,10 +16,12 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
 from specdistill.capture.store import FeatureStore
-from specdistill.config import register, to_run_config
+from specdistill.config import ConfigError, register, to_run_config
+from specdistill.data.vocab import DraftVocab
+from specdistill.heads import build_head, load_head
 from specdistill.target import load_target
 from specdistill.train.data import OnlineSource, StoreSource
-from specdistill.train.trainer import Trainer, deepspeed_config
+from specdistill.train.trainer import Trainer, deepspeed_config, make_accelerator
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -160,18 +162,36 @@ def test_deepspeed_configs_compose():
         assert ds["bf16"] == {"enabled": False}
 
 
-@pytest.mark.slow  # two ranks importing DeepSpeed: ~40 s
-def test_two_rank_zero2_run_on_cpu_splits_the_data(prepared, tmp_path):
-    run_dir = run_dir_from(prepared, tmp_path, "dist")
+def test_deepspeed_without_a_multi_process_launch_is_a_config_error(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    cfg = compose_cfg(Path("/nonexistent/smoke"), "train.deepspeed=zero2")
+    with pytest.raises(ConfigError, match="train.deepspeed=zero2 needs a multi-process launch.*--multi_gpu"):
+        make_accelerator(cfg)
+
+
+@pytest.mark.slow  # two ranks importing DeepSpeed: ~40 s each
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_two_rank_deepspeed_run_on_cpu_splits_the_data_and_skips_bad_gradients(prepared, tmp_path, stage):
+    """Rank 1 alone sees a non-finite gradient: both ranks skip that step. Ranks train on disjoint data,
+    and the final head holds every weight (ZeRO-3 shards them across the ranks)."""
+    run_dir = run_dir_from(prepared, tmp_path, stage)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--main_process_port", "29533", "train.py", "+exp=smoke", f"run_root={tmp_path}",
-           "name=dist", "stages=[train]", "train.deepspeed=zero2", "train.max_steps=3", "train.grad_accum=2"]
+           "--num_machines", "1", "--main_process_port", "29533", "tests/deepspeed_bad_gradient.py", str(run_dir),
+           f"train.deepspeed={stage}", "train.max_steps=3", "train.grad_accum=2"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, env=ENV)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    reports = [json.loads((run_dir / f"bad-gradient-rank-{r}.json").read_text()) for r in (0, 1)]
+    assert reports == [{"world": 2, "skipped": 1, "steps": 3}] * 2
     ranks = [json.loads((run_dir / "train" / f"samples-rank-{r}.json").read_text()) for r in (0, 1)]
-    assert [r["world"] for r in ranks] == [2, 2]
-    assert len(ranks[0]["micro_batches"]) == len(ranks[1]["micro_batches"]) == 6  # 3 steps x 2 accumulated
+    assert len(ranks[0]["micro_batches"]) == len(ranks[1]["micro_batches"]) == 8  # (3 steps + 1 skipped) x 2
     for epoch in {b["epoch"] for b in ranks[0]["micro_batches"]}:
         seen = [{i for b in r["micro_batches"] if b["epoch"] == epoch for i in b["ids"]} for r in ranks]
         assert seen[0] and seen[1] and not seen[0] & seen[1], epoch
-    assert (run_dir / "ckpt" / "final" / "head.safetensors").exists()
+    cfg = compose_cfg(run_dir)
+    vocab = DraftVocab.load(run_dir / "data" / "vocab.safetensors")
+    fresh = build_head(cfg.head, load_target(cfg.target), vocab.d2t_N, vocab.t2d_V)
+    for name in ("final", "best"):
+        head = load_head(run_dir / "ckpt" / name)
+        for key, value in head.state_dict().items():
+            assert value.shape == fresh.state_dict()[key].shape and torch.isfinite(value.float()).all(), (name, key)
+    assert (run_dir / "ckpt" / "step-0000003").is_dir()

@@ -96,6 +96,48 @@ def test_unroll_learns_a_fixed_batch_for_every_loss(kind):
         assert head.embed_tokens.weight.grad is None  # the target embedding stays frozen
 
 
+def naive_unroll(head, batch, teacher, steps, step_weight, loss_fn):
+    """Every step at every position, explicit attention: what `unroll_ttt` must equal on right-padded rows."""
+    ids, valid = batch.input_ids_BT, batch.valid_BT
+    B, T = ids.shape
+    mask0 = causal_mask(valid)
+    attn, keys, values = head.attention(), [], []
+
+    def attend(q, k, v):
+        keys.append(attn.expand_kv(k))
+        values.append(attn.expand_kv(v))
+        return naive_ttt_attention(q, keys, values, mask0)
+
+    hidden, total = head.initial_hidden(batch.aux_BTA, batch.last_BTH), 0.0
+    for j in range(steps):
+        tokens = torch.cat([ids[:, 1 + j:], torch.zeros(B, 1 + j, dtype=ids.dtype)], 1)
+        hidden = head.step(tokens, hidden, torch.arange(T).expand(B, T) + j, attend, depth=j)
+        logits = head.logits(hidden, depth=j)[:, : T - 2 - j]
+        counted = (batch.loss_mask_BT[:, 2 + j:] > 0) & valid[:, : T - 2 - j] & valid[:, 2 + j:]
+        per_pos = loss_fn(logits, teacher.logp_BTV[:, 1 + j : T - 1])
+        total = total + step_weight**j * (per_pos * counted).sum() / counted.sum().clamp(min=1)
+    return total
+
+
+@pytest.mark.parametrize("kind", HEAD_KINDS)
+def test_later_steps_only_where_trained_equal_every_step_everywhere(kind):
+    """Prompts without loss and padding: running steps >= 1 only where a later step trains changes nothing."""
+    head = tiny_head(kind)
+    B, T, steps = 3, 14, 4
+    batch, teacher = random_batch(B, T, head), random_teacher(B, T, head)
+    batch.loss_mask_BT[:, :6] = 0  # a prompt
+    batch.loss_mask_BT[1, 9:] = 0  # a row whose only trained tokens sit early
+    batch.valid_BT[2, 11:] = False  # padding
+    batch.loss_mask_BT[2, 11:] = 0
+    batch.loss_mask_BT[0] = 0  # and a row with nothing to train
+    params = [p for p in head.parameters() if p.requires_grad]
+    fast = unroll_ttt(head, batch, teacher, steps, 0.8, LOSSES["forward_kl"]).loss
+    slow = naive_unroll(head, batch, teacher, steps, 0.8, LOSSES["forward_kl"])
+    torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-5)
+    for g_fast, g_slow in zip(torch.autograd.grad(fast, params), torch.autograd.grad(slow, params)):
+        torch.testing.assert_close(g_fast, g_slow, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("kind", HEAD_KINDS)
 def test_drafting_reproduces_the_training_unroll(kind):
     """Chain-drafting along the ground-truth tokens must give the TTT unroll's logits at each step."""

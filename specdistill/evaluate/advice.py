@@ -123,8 +123,9 @@ def vllm_flags(kind: str, head_path: str, steps: int) -> str:
 
 
 def advise(table: list[list[float]], target: ModelCost, head: ModelCost, cfg: AdviceConfig, kind: str,
-           head_path: str) -> dict:
-    """The best tree (SGLang) and the best chain (vLLM) per batch size, with expected tau and speedup.
+           serve_dirs: dict[str, str]) -> dict:
+    """The best tree (SGLang) and the best chain (vLLM) per batch size, with expected tau and speedup, as
+    flags naming the head directory each engine loads (`serve_dirs["sglang"]`, `serve_dirs["vllm"]`).
     Where nothing beats plain decoding the advice is to serve without speculation."""
     grid = [(c, expected_tau(table, *c)) for c in candidates()]
     per_batch = []
@@ -136,9 +137,9 @@ def advise(table: list[list[float]], target: ModelCost, head: ModelCost, cfg: Ad
             "batch_size": batch, "steps": s, "topk": k, "num_draft_tokens": n,
             "expected_tau": round(tau_value, 3), "expected_speedup": round(speedup, 3),
             "speculate": speedup > 1.0,
-            "sglang": sglang_flags(kind, head_path, s, k, n) if speedup > 1.0 else "(no speculative flags)",
+            "sglang": sglang_flags(kind, serve_dirs["sglang"], s, k, n) if speedup > 1.0 else "(no speculative flags)",
             "vllm_steps": cs, "vllm_expected_speedup": round(chain_speedup, 3),
-            "vllm": vllm_flags(kind, head_path, cs) if chain_speedup > 1.0 else "(no --speculative-config)",
+            "vllm": vllm_flags(kind, serve_dirs["vllm"], cs) if chain_speedup > 1.0 else "(no --speculative-config)",
         })
     return {"hardware": {"gpu": cfg.gpu, "peak_tflops": cfg.peak_tflops, "memory_tbps": cfg.memory_tbps,
                          "launch_us": cfg.launch_us, "bytes_per_param": cfg.bytes_per_param},

@@ -130,8 +130,10 @@ def _timed(device: torch.device, fn, *args):
     return result, time.perf_counter() - t0
 
 
-def evaluate(cfg: RunConfig, target: Target, head, out_dir: Path, head_path: str = "") -> dict:
-    """Decode the benchmark with plain decoding and every drafter; write and return the report."""
+def evaluate(cfg: RunConfig, target: Target, head, out_dir: Path, head_path: str = "",
+             serve_dirs: dict[str, str] | None = None) -> dict:
+    """Decode the benchmark with plain decoding and every drafter; write and return the report. The serving
+    advice names `serve_dirs` ({"sglang": dir, "vllm": dir}; default: `head_path` for both)."""
     ev = cfg.eval
     kernels.set_backend(ev.kernels)
     device = next(target.model.parameters()).device
@@ -182,7 +184,8 @@ def evaluate(cfg: RunConfig, target: Target, head, out_dir: Path, head_path: str
     }
     table = metrics.coverage(tallies[MAIN].hits + (tallies["chain"].hits if "chain" in tallies else []))
     report["serving_advice"] = advise(table, target_cost(target.model, ev.advice), head_cost(head, ev.advice),
-                                      ev.advice, head.config.kind, head_path or "<head dir>")
+                                      ev.advice, head.config.kind,
+                                      serve_dirs or dict.fromkeys(("sglang", "vllm"), head_path or "<head dir>"))
     write_report(report, rows, out_dir, cfg.wandb)
     return report
 
@@ -213,7 +216,8 @@ def evaluate_head_tau(head, target: Target, prompts: list[str], cfg: EvalConfig)
 def run(cfg: RunConfig, target) -> dict:
     out_dir = Path(cfg.out) if cfg.out else cfg.run_dir / "eval"
     path = trained_head_dir(cfg.run_dir)
-    report = evaluate(cfg, target.get(), load_head(path), out_dir, str(path))
+    serve_dirs = {engine: str(cfg.run_dir / "export" / engine) for engine in ("sglang", "vllm")}
+    report = evaluate(cfg, target.get(), load_head(path), out_dir, str(path), serve_dirs)
     log.info("tau %.2f, speedup %.2fx, lossless mismatches %s; report in %s", report["tau"], report["speedup"],
              report["lossless_mismatches"], out_dir / "report.json")
     return {"report": str(out_dir / "report.json"), **{k: report[k] for k in ("tau", "speedup", "lossless_mismatches")}}

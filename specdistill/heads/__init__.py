@@ -87,13 +87,18 @@ def load_head(directory: str | Path, device: str | torch.device = "cpu"):
     if not (directory / HEAD_CONFIG).exists():
         raise FileNotFoundError(f"{directory}: no {HEAD_CONFIG}; expected a head checkpoint directory")
     d = json.loads((directory / HEAD_CONFIG).read_text())
-    config_cls, head_cls = HEADS[d.get("kind", "eagle3")]
-    head = head_cls(config_cls.from_dict(d))
-    missing, unexpected = head.load_state_dict(load_file(str(directory / HEAD_WEIGHTS)), strict=False)
+    config = HEADS[d.get("kind", "eagle3")][0].from_dict(d)
+    return head_from_state(config, load_file(str(directory / HEAD_WEIGHTS)), str(directory / HEAD_WEIGHTS)).to(device)
+
+
+def head_from_state(config, state: dict[str, torch.Tensor], source: str):
+    """A head of `config` holding `state` (rotary tables are rebuilt, not loaded); `source` names it in errors."""
+    head = HEADS[config.kind][1](config)
+    missing, unexpected = head.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.startswith("rotary.")]
     if missing or unexpected:
-        raise ValueError(f"{directory / HEAD_WEIGHTS}: missing keys {missing}, unexpected keys {unexpected}")
-    return head.to(device)
+        raise ValueError(f"{source}: missing keys {missing}, unexpected keys {unexpected}")
+    return head
 
 
 def trained_head_dir(run_dir: str | Path) -> Path:

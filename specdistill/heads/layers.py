@@ -80,40 +80,41 @@ class Rotary(nn.Module):
         return self.inner(x, position_ids_BT)
 
 
-def ttt_attention(q_BNTE, keys, values, mask0_BTT=None) -> torch.Tensor:
+def ttt_attention(q_BNQE, keys, values, mask0_BQT=None) -> torch.Tensor:
     """Training-time-test attention for step j = len(keys) - 1.
 
-    keys[0]/values[0] are step-0 entries, attended causally (or under `mask0_BTT`, True = attend, for
-    packed documents); keys[i] for i >= 1 are the step-i entries, each attended only at the query's own
-    position. On CPU the fused core (no [T, T] matrix kept for backward) runs; elsewhere the explicit one.
+    keys[0]/values[0] are the T step-0 entries, attended causally (q and keys[0] then have the same T) or
+    under `mask0_BQT` (True = attend: packed documents, or Q queries at a subset of the positions);
+    keys[i] for i >= 1 are the step-i entries of the queries' own positions, each attended only by its
+    own query. On CPU the fused core (no [Q, T] matrix kept for backward) runs; elsewhere the explicit one.
     """
-    if q_BNTE.device.type == "cpu":
-        bias_B1TT = None if mask0_BTT is None else attention_bias(mask0_BTT, q_BNTE.dtype)
-        return FusedTTTAttentionCPU.apply(q_BNTE, bias_B1TT, *keys, *values)
-    return ttt_attention_explicit(q_BNTE, keys, values, mask0_BTT)
+    if q_BNQE.device.type == "cpu":
+        bias_B1QT = None if mask0_BQT is None else attention_bias(mask0_BQT, q_BNQE.dtype)
+        return FusedTTTAttentionCPU.apply(q_BNQE, bias_B1QT, *keys, *values)
+    return ttt_attention_explicit(q_BNQE, keys, values, mask0_BQT)
 
 
 def attention_bias(mask_BTT: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Boolean mask (True = attend) -> additive bias [B, 1, T, T] (0 or -inf)."""
+    """Boolean mask [B, Q, T] (True = attend) -> additive bias [B, 1, Q, T] (0 or -inf)."""
     bias = torch.zeros(mask_BTT.shape, dtype=dtype, device=mask_BTT.device)
     return bias.masked_fill_(~mask_BTT, float("-inf"))[:, None]
 
 
-def ttt_attention_explicit(q_BNTE, keys, values, mask0_BTT=None) -> torch.Tensor:
-    """The TTT attention with the full [T, T] step-0 score matrix plus the diagonal terms of later steps."""
-    T = q_BNTE.shape[-2]
-    if mask0_BTT is None:
-        mask0_BTT = torch.ones(T, T, dtype=torch.bool, device=q_BNTE.device).tril()[None]
-    scale = q_BNTE.shape[-1] ** -0.5
-    s0_BNTT = torch.matmul(q_BNTE, keys[0].transpose(-1, -2)) * scale
-    s0_BNTT = s0_BNTT.masked_fill(~mask0_BTT[:, None], torch.finfo(s0_BNTT.dtype).min)
+def ttt_attention_explicit(q_BNQE, keys, values, mask0_BQT=None) -> torch.Tensor:
+    """The TTT attention with the full [Q, T] step-0 score matrix plus the diagonal terms of later steps."""
+    T = keys[0].shape[-2]
+    if mask0_BQT is None:
+        mask0_BQT = torch.ones(T, T, dtype=torch.bool, device=q_BNQE.device).tril()[None]
+    scale = q_BNQE.shape[-1] ** -0.5
+    s0_BNQT = torch.matmul(q_BNQE, keys[0].transpose(-1, -2)) * scale
+    s0_BNQT = s0_BNQT.masked_fill(~mask0_BQT[:, None], torch.finfo(s0_BNQT.dtype).min)
     if len(keys) == 1:
-        return torch.matmul(torch.softmax(s0_BNTT, -1, dtype=torch.float32).to(q_BNTE.dtype), values[0])
-    diag_BNTJ = torch.stack([(q_BNTE * k).sum(-1) for k in keys[1:]], dim=-1) * scale
-    probs = torch.softmax(torch.cat([s0_BNTT, diag_BNTJ], dim=-1), -1, dtype=torch.float32).to(q_BNTE.dtype)
+        return torch.matmul(torch.softmax(s0_BNQT, -1, dtype=torch.float32).to(q_BNQE.dtype), values[0])
+    diag_BNQJ = torch.stack([(q_BNQE * k).sum(-1) for k in keys[1:]], dim=-1) * scale
+    probs = torch.softmax(torch.cat([s0_BNQT, diag_BNQJ], dim=-1), -1, dtype=torch.float32).to(q_BNQE.dtype)
     out = torch.matmul(probs[..., :T], values[0])
-    v_BNTJE = torch.stack(values[1:], dim=3)
-    return out + (probs[..., T:, None] * v_BNTJE).sum(dim=3)
+    v_BNQJE = torch.stack(values[1:], dim=3)
+    return out + (probs[..., T:, None] * v_BNQJE).sum(dim=3)
 
 
 class FusedTTTAttentionCPU(torch.autograd.Function):

@@ -28,10 +28,10 @@ from tqdm import tqdm
 
 from specdistill.capture.run import samples_dir
 from specdistill.capture.store import FeatureStore
-from specdistill.config import RunConfig
+from specdistill.config import ConfigError, RunConfig
 from specdistill.data.vocab import DraftVocab
 from specdistill.distributed import rank_and_world
-from specdistill.heads import build_head, save_head
+from specdistill.heads import build_head, head_from_state, save_head
 from specdistill.io import atomic_dir, save_tensors, write_json
 from specdistill.pipeline import redacted
 from specdistill.target import Target, TargetRunner
@@ -66,16 +66,30 @@ def deepspeed_config(cfg: RunConfig, precision: str) -> dict:
     return ds
 
 
+def resolve_precision(precision: str, deepspeed: str | None) -> str:
+    """`auto`: bf16 on a GPU, and on a CPU that multiplies bf16 natively (AMX or AVX512-BF16, ~4x its fp32
+    rate) unless DeepSpeed runs there; fp32 otherwise."""
+    if precision != "auto":
+        return precision
+    if torch.cuda.is_available():
+        return "bf16"
+    return "bf16" if deepspeed is None and torch.ops.mkldnn._is_mkldnn_bf16_supported() else "no"
+
+
 def make_accelerator(cfg: RunConfig):
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
 
-    precision = cfg.train.mixed_precision
-    if precision == "auto":
-        precision = "bf16" if torch.cuda.is_available() else "no"
+    if cfg.train.deepspeed and "LOCAL_RANK" not in os.environ:
+        raise ConfigError(f"train.deepspeed={cfg.train.deepspeed} needs a multi-process launch, e.g. `accelerate "
+                          "launch --multi_gpu --num_processes 2 train.py ...` (--multi_gpu also on a CPU-only "
+                          "machine: without it accelerate starts a single process)")
+    precision = resolve_precision(cfg.train.mixed_precision, cfg.train.deepspeed)
     plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(cfg, precision)) if cfg.train.deepspeed else None
+    # `cpu=True` would make accelerate drop DeepSpeed for plain DDP: on a CPU-only machine DeepSpeed finds
+    # no GPU by itself and runs on the CPU over gloo
     return Accelerator(mixed_precision=precision, gradient_accumulation_steps=cfg.train.grad_accum,
-                       deepspeed_plugin=plugin, cpu=not torch.cuda.is_available())
+                       deepspeed_plugin=plugin, cpu=not torch.cuda.is_available() and plugin is None)
 
 
 def save_rng(path: Path) -> None:
@@ -166,6 +180,7 @@ class Trainer:
         scheduler = warmup_cosine(optimizer, self.total_steps, int(cfg.train.warmup_ratio * self.total_steps))
         model = TTTModel(self.head, cfg.train.ttt_steps, cfg.train.step_weight, cfg.train.loss)
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+        self.zero3 = cfg.train.deepspeed == "zero3"
         self.tau_evaluator = tau_evaluator
         if cfg.train.eval_every > 0 and tau_evaluator is None:
             self.tau_evaluator = load_tau_evaluator(cfg, target)
@@ -227,14 +242,26 @@ class Trainer:
         log.info("resumed from %s (step %d, epoch %d, micro-batch %d)", latest, self.state.step, self.state.epoch,
                  self.state.batch_in_epoch)
 
-    def save_best(self, metric: float, name: str) -> None:
-        """Keep the head in ckpt/best/ when `metric` beats every earlier one (never rotated away)."""
+    def head_snapshot(self):
+        """The head with all its weights, on rank 0 (None elsewhere); every rank must call it. Under ZeRO-3
+        each rank holds only a shard of every weight, so they are gathered into a standalone copy."""
+        head = self.accelerator.unwrap_model(self.model).head
+        if not self.zero3:
+            return head if self.rank == 0 else None
+        state = self.accelerator.get_state_dict(self.model)  # gathered onto rank 0
+        if self.rank != 0:
+            return None
+        state = {k.removeprefix("head."): v for k, v in state.items()}
+        return head_from_state(head.config, state, "the gathered ZeRO-3 weights").to(self.device)
+
+    def save_best(self, metric: float, name: str, head) -> None:
+        """Keep `head` (rank 0's snapshot) in ckpt/best/ when `metric` beats every earlier one (never rotated away)."""
         if self.state.best_metric is not None and metric <= self.state.best_metric:
             return
         self.state.best_metric, self.state.best_step = metric, self.state.step
         if self.rank == 0:
             with atomic_dir(self.ckpt_dir / "best") as tmp:
-                save_head(self.accelerator.unwrap_model(self.model).head, tmp)
+                save_head(head, tmp)
                 write_json(tmp / "best.json", {"step": self.state.step, name: metric})
             log.info("new best head (%s %.4f at step %d) in %s", name, metric, self.state.step, self.ckpt_dir / "best")
 
@@ -260,9 +287,15 @@ class Trainer:
                 self.optimizer.zero_grad()
                 return None
             self.accelerator.backward(result.loss)
-            if self.accelerator.sync_gradients and not self.cfg.train.deepspeed:
-                norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.train.grad_clip)
-                if not torch.isfinite(norm):
+            if self.accelerator.sync_gradients:
+                if self.cfg.train.deepspeed:
+                    # the engine stepped inside backward; its ZeRO optimizer checked the gradient norm first
+                    # and skipped the update (on every rank) when it was not finite
+                    finite = not self.model.optimizer.overflow
+                else:
+                    finite = bool(torch.isfinite(self.accelerator.clip_grad_norm_(self.model.parameters(),
+                                                                                  self.cfg.train.grad_clip)))
+                if not finite:
                     self.optimizer.zero_grad()
                     return None
             self.optimizer.step()
@@ -329,19 +362,16 @@ class Trainer:
         if step % cfg.ckpt_every == 0 or step == self.total_steps:
             out.update(self.evaluate_holdout())
             if cfg.eval_every == 0 and "holdout/tau_sim" in out:
-                self.save_best(out["holdout/tau_sim"], "holdout/tau_sim")
+                self.save_best(out["holdout/tau_sim"], "holdout/tau_sim", self.head_snapshot())
         if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == self.total_steps):
-            tau = None
+            head = self.head_snapshot()
             if self.rank == 0:
-                head = self.accelerator.unwrap_model(self.model).head
                 head.eval()
-                tau = float(self.tau_evaluator(head)["tau"])
+                out["tau"] = float(self.tau_evaluator(head)["tau"])
                 head.train()
-                log.info("step %d: in-loop tau %.3f", step, tau)
+                log.info("step %d: in-loop tau %.3f", step, out["tau"])
+                self.save_best(out["tau"], "tau", head)
             self.accelerator.wait_for_everyone()
-            if self.rank == 0:
-                out["tau"] = tau
-                self.save_best(tau, "tau")
         return out
 
     def check_bad_steps(self) -> None:
@@ -361,7 +391,7 @@ class Trainer:
         return m
 
     def finish(self, wandb_run) -> dict:
-        head = self.accelerator.unwrap_model(self.model).head
+        head = self.head_snapshot()
         final = self.ckpt_dir / "final"
         write_json(self.run_dir / "train" / f"samples-rank-{self.rank}.json",
                    {"rank": self.rank, "world": self.world, "micro_batches": self.consumed})

@@ -5,9 +5,10 @@ fused target features), sits at RoPE position t+j, attends causally to step-0 ke
 position's keys from steps 1..j, and is trained toward the target's distribution at t+1+j for the
 token x[t+2+j], weighted step_weight**j. In a packed row (several documents) attention stays inside
 each document, positions restart per document, and a position is trained only if x[t+2+j] belongs to
-its own document, so no shift crosses a document boundary.
+its own document, so no shift crosses a document boundary. Steps >= 1 run only at the positions some
+later step trains: a position's later steps read step-0 keys and their own, nothing else.
 
-Shapes: B batch, T tokens, M = T-2-j positions with a target at step j, A aux features, D head hidden,
+Shapes: B batch, T tokens, M positions run at a step (all T at step 0), A aux features, D head hidden,
 V draft vocab.
 """
 
@@ -46,14 +47,6 @@ class TTTResult:
         return float(1 + torch.cumprod(self.step_acc, 0).sum())
 
 
-def shift_left(x_BT: torch.Tensor, s: int, fill=0) -> torch.Tensor:
-    """x[:, t + s], padded with `fill` past the end."""
-    if s == 0:
-        return x_BT
-    pad = torch.full_like(x_BT[:, :s], fill)
-    return torch.cat([x_BT[:, s:], pad], dim=1)
-
-
 def padded_documents(valid_BT: torch.Tensor) -> torch.Tensor:
     """Document numbers of a right-padded batch: one document per row (0), padding -1."""
     return torch.where(valid_BT, 0, -1)
@@ -71,48 +64,84 @@ def causal_mask(valid_BT: torch.Tensor) -> torch.Tensor:
     return document_mask(padded_documents(valid_BT))
 
 
+def later_step_positions(counted_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(idx_BM, valid_BM): per row, the positions marked in `counted_BT`, left-aligned and padded with
+    position 0 (valid False); M >= 1 so that an empty selection still has a shape."""
+    count_B = counted_BT.sum(1)
+    M = max(1, int(count_B.max()) if counted_BT.numel() else 0)
+    order_BT = torch.sort((~counted_BT).to(torch.int8), dim=1, stable=True).indices  # marked positions first
+    idx_BM = order_BT[:, :M]
+    valid_BM = torch.arange(M, device=counted_BT.device)[None] < count_B[:, None]
+    return torch.where(valid_BM, idx_BM, 0), valid_BM
+
+
 def unroll_ttt(head, batch: TTTBatch, teacher: TeacherTargets, steps: int, step_weight: float,
                loss_fn: Callable) -> TTTResult:
     ids = batch.input_ids_BT
     B, T = ids.shape
+    dev = ids.device
     packed = batch.doc_BT is not None
     doc_BT = batch.doc_BT if packed else padded_documents(batch.valid_BT)
-    positions = batch.position_ids_BT if packed else torch.arange(T, device=ids.device).expand(B, T)
-    mask0 = document_mask(doc_BT) if packed else None  # None: plain causal (right padding needs no mask)
+    positions_BT = batch.position_ids_BT if packed else torch.arange(T, device=dev).expand(B, T)
+    mask0_BTT = document_mask(doc_BT) if packed else None  # None: plain causal (right padding needs no mask)
     attn = head.attention()
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
+    mask_BQT = mask0_BTT
 
     def attend(q, k, v):
         keys.append(attn.expand_kv(k))
         values.append(attn.expand_kv(v))
-        return ttt_attention(q, keys, values, mask0)
+        return ttt_attention(q, keys, values, mask_BQT)
 
-    # 1. step-0 hidden input: the fused target features
+    def at(x_BT: torch.Tensor, shift: int, fill=0) -> torch.Tensor:
+        """x[b, idx[b, m] + shift], `fill` past the end."""
+        src = idx_BM + shift
+        inside = src < T
+        picked = x_BT.gather(1, src.clamp(max=T - 1))
+        return torch.where(inside, picked, torch.as_tensor(fill, dtype=x_BT.dtype, device=dev))
+
+    def counted_at(j: int) -> torch.Tensor:
+        """Positions trained at step j: x[t+2+j] is a loss token of t's own document."""
+        return (at(batch.loss_mask_BT, 2 + j) > 0) & (at(doc_BT, 2 + j, -2) == at(doc_BT, 0)) & (at(doc_BT, 0) >= 0)
+
+    # 1. step 0 runs at every position (every later step attends to its keys); steps >= 1 only where some
+    #    later step is trained (the assistant turns), since a position's later steps see only step-0 keys
+    #    and its own: on chat data most positions of a long prompt need step 0 alone.
+    idx_BM = torch.arange(T, device=dev).expand(B, T)
+    row_valid_BM = torch.ones(B, T, dtype=torch.bool, device=dev)
     hidden = head.initial_hidden(batch.aux_BTA, batch.last_BTH)
     total = hidden.new_zeros((), dtype=torch.float32)
     stats = torch.zeros(4, steps, dtype=torch.float64)
     for j in range(steps):
-        # 2. step j reads token x[t+1+j] and the previous step's hidden, at position t+j
-        hidden = head.step(shift_left(ids, 1 + j), hidden, positions + j, attend, depth=j)
-        logits = head.logits(hidden, depth=j)
-        # 3. its target is the teacher at t+1+j predicting x[t+2+j], for the M = T-2-j positions t where
-        #    that token exists; counted only inside one document, trained only where the draft vocab covers it
-        M = max(0, T - 2 - j)
-        logits_BMV = logits[:, :M]
-        doc_BM = doc_BT[:, :M]
-        counted_BM = (batch.loss_mask_BT[:, 2 + j:] > 0) & (doc_BT[:, 2 + j:] == doc_BM) & (doc_BM >= 0)
-        trained_BM = counted_BM & teacher.covered_BT[:, 1 + j:T - 1]
-        per_pos = loss_fn(logits_BMV, teacher.logp_BTV[:, 1 + j:T - 1])
+        if j == 1:
+            later_BT = torch.zeros(B, T, dtype=torch.bool, device=dev)
+            for i in range(1, steps):
+                later_BT |= counted_at(i)
+            idx_BM, row_valid_BM = later_step_positions(later_BT)
+            hidden = hidden.gather(1, idx_BM[..., None].expand(-1, -1, hidden.shape[-1]))
+            causal_BMT = torch.arange(T, device=dev)[None, None] <= idx_BM[..., None]
+            mask_BQT = causal_BMT if mask0_BTT is None else mask0_BTT.gather(1, idx_BM[..., None].expand(-1, -1, T))
+        # 2. step j reads the token x[t+1+j] and the previous step's hidden, at position t+j
+        hidden = head.step(at(ids, 1 + j), hidden, at(positions_BT, 0) + j, attend, depth=j)
+        logits_BMV = head.logits(hidden, depth=j)
+        # 3. its target is the teacher at t+1+j predicting x[t+2+j], counted only inside one document,
+        #    trained only where the draft vocab covers it
+        counted_BM = counted_at(j) & row_valid_BM
+        teacher_idx_BM = (idx_BM + 1 + j).clamp(max=T - 1)
+        logp_BMV = teacher.logp_BTV.gather(1, teacher_idx_BM[..., None].expand(-1, -1, teacher.logp_BTV.shape[-1]))
+        trained_BM = counted_BM & teacher.covered_BT.gather(1, teacher_idx_BM)
+        per_pos = loss_fn(logits_BMV, logp_BMV)
         n = trained_BM.sum().clamp(min=1)
         step_loss = (per_pos * trained_BM).sum() / n
         total = total + step_weight**j * step_loss
         # 4. metrics on every counted position (coverage misses count as misses)
         with torch.no_grad():
             q_BMV = torch.softmax(logits_BMV.float(), -1)
+            p_BMV = teacher.p_full_BTV.gather(1, teacher_idx_BM[..., None].expand(-1, -1, q_BMV.shape[-1]))
             draft_argmax = head.draft_to_target(logits_BMV.argmax(-1))
-            hit = (draft_argmax == teacher.argmax_BT[:, 1 + j:T - 1]) & counted_BM
-            accept = torch.minimum(q_BMV, teacher.p_full_BTV[:, 1 + j:T - 1]).sum(-1) * counted_BM
+            hit = (draft_argmax == teacher.argmax_BT.gather(1, teacher_idx_BM)) & counted_BM
+            accept = torch.minimum(q_BMV, p_BMV).sum(-1) * counted_BM
             c = counted_BM.sum()
             stats[:, j] = torch.stack([step_loss.detach().double() * c, hit.sum().double(),
                                        accept.sum().double(), c.double()]).cpu()

@@ -1,0 +1,40 @@
+"""Launched by test_train under `accelerate launch`: a DeepSpeed run in which one micro-batch's gradient is
+made non-finite on rank 1 only; the step must be skipped on every rank. Usage: RUN_DIR OVERRIDES..."""
+
+import json
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+
+from specdistill.config import register, to_run_config
+from specdistill.distributed import rank_and_world
+from specdistill.target import load_target
+from specdistill.train.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+POISONED_CALL = 2  # the second micro-batch: an accumulation boundary when train.grad_accum=2
+
+
+def main(run_dir: Path, overrides: list[str]) -> None:
+    register()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = to_run_config(compose("config", overrides=[
+            "+exp=smoke", f"run_root={run_dir.parent}", f"name={run_dir.name}", *overrides]))
+    trainer = Trainer(cfg, load_target(cfg.target))
+    rank, world = rank_and_world()
+    calls = 0
+
+    def poison(grad):
+        nonlocal calls
+        calls += 1
+        return grad * float("inf") if rank == 1 and calls == POISONED_CALL else grad
+
+    trainer.head.fc.weight.register_hook(poison)
+    trainer.fit()
+    report = {"world": world, "skipped": trainer.state.skipped, "steps": trainer.state.step}
+    (run_dir / f"bad-gradient-rank-{rank}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:])
