@@ -129,7 +129,8 @@ def test_real_embedded_target_synthesises_and_masks(tmp_path):
     with initialize_config_dir(config_dir=CONF, version_base=None):
         cfg = to_run_config(compose("config", overrides=[
             f"out={tmp_path}", "data.synth.num_conversations=4", "data.synth.batch_size=4",
-            "data.synth.question_max_tokens=24", "data.synth.answer_max_tokens=16"]))
+            "data.synth.question_max_tokens=24", "data.synth.answer_max_tokens=16",
+            "data.synth.document_min_chars=20"]))
     target = LazyTarget(cfg)
     summary = run(cfg, target)
     tok = target.get().tokenizer
