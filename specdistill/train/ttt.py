@@ -64,6 +64,12 @@ def causal_mask(valid_BT: torch.Tensor) -> torch.Tensor:
     return document_mask(padded_documents(valid_BT))
 
 
+def gather_rows(x: torch.Tensor, idx_BM: torch.Tensor) -> torch.Tensor:
+    """x[b, idx[b, m]] for x of shape [B, T] or [B, T, X]."""
+    index = idx_BM if x.dim() == 2 else idx_BM[..., None].expand(-1, -1, x.shape[-1])
+    return x.gather(1, index)
+
+
 def later_step_positions(counted_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(idx_BM, valid_BM): per row, the positions marked in `counted_BT`, left-aligned and padded with
     position 0 (valid False); M >= 1 so that an empty selection still has a shape."""
@@ -98,7 +104,7 @@ def unroll_ttt(head, batch: TTTBatch, teacher: TeacherTargets, steps: int, step_
         """x[b, idx[b, m] + shift], `fill` past the end."""
         src = idx_BM + shift
         inside = src < T
-        picked = x_BT.gather(1, src.clamp(max=T - 1))
+        picked = gather_rows(x_BT, src.clamp(max=T - 1))
         return torch.where(inside, picked, torch.as_tensor(fill, dtype=x_BT.dtype, device=dev))
 
     def counted_at(j: int) -> torch.Tensor:
@@ -119,9 +125,9 @@ def unroll_ttt(head, batch: TTTBatch, teacher: TeacherTargets, steps: int, step_
             for i in range(1, steps):
                 later_BT |= counted_at(i)
             idx_BM, row_valid_BM = later_step_positions(later_BT)
-            hidden = hidden.gather(1, idx_BM[..., None].expand(-1, -1, hidden.shape[-1]))
+            hidden = gather_rows(hidden, idx_BM)
             causal_BMT = torch.arange(T, device=dev)[None, None] <= idx_BM[..., None]
-            mask_BQT = causal_BMT if mask0_BTT is None else mask0_BTT.gather(1, idx_BM[..., None].expand(-1, -1, T))
+            mask_BQT = causal_BMT if mask0_BTT is None else gather_rows(mask0_BTT, idx_BM)
         # 2. step j reads the token x[t+1+j] and the previous step's hidden, at position t+j
         hidden = head.step(at(ids, 1 + j), hidden, at(positions_BT, 0) + j, attend, depth=j)
         logits_BMV = head.logits(hidden, depth=j)
@@ -129,19 +135,17 @@ def unroll_ttt(head, batch: TTTBatch, teacher: TeacherTargets, steps: int, step_
         #    trained only where the draft vocab covers it
         counted_BM = counted_at(j) & row_valid_BM
         teacher_idx_BM = (idx_BM + 1 + j).clamp(max=T - 1)
-        logp_BMV = teacher.logp_BTV.gather(1, teacher_idx_BM[..., None].expand(-1, -1, teacher.logp_BTV.shape[-1]))
-        trained_BM = counted_BM & teacher.covered_BT.gather(1, teacher_idx_BM)
-        per_pos = loss_fn(logits_BMV, logp_BMV)
+        trained_BM = counted_BM & gather_rows(teacher.covered_BT, teacher_idx_BM)
+        per_pos = loss_fn(logits_BMV, gather_rows(teacher.logp_BTV, teacher_idx_BM))
         n = trained_BM.sum().clamp(min=1)
         step_loss = (per_pos * trained_BM).sum() / n
         total = total + step_weight**j * step_loss
         # 4. metrics on every counted position (coverage misses count as misses)
         with torch.no_grad():
             q_BMV = torch.softmax(logits_BMV.float(), -1)
-            p_BMV = teacher.p_full_BTV.gather(1, teacher_idx_BM[..., None].expand(-1, -1, q_BMV.shape[-1]))
             draft_argmax = head.draft_to_target(logits_BMV.argmax(-1))
-            hit = (draft_argmax == teacher.argmax_BT.gather(1, teacher_idx_BM)) & counted_BM
-            accept = torch.minimum(q_BMV, p_BMV).sum(-1) * counted_BM
+            hit = (draft_argmax == gather_rows(teacher.argmax_BT, teacher_idx_BM)) & counted_BM
+            accept = torch.minimum(q_BMV, gather_rows(teacher.p_full_BTV, teacher_idx_BM)).sum(-1) * counted_BM
             c = counted_BM.sum()
             stats[:, j] = torch.stack([step_loss.detach().double() * c, hit.sum().double(),
                                        accept.sum().double(), c.double()]).cpu()
