@@ -5,22 +5,17 @@ import json
 import sys
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
+from test_train import compose_cfg
 
-from specdistill.config import register, to_run_config
 from specdistill.distributed import rank_and_world
 from specdistill.target import load_target
 from specdistill.train.trainer import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
 POISONED_CALL = 2  # the second micro-batch: an accumulation boundary when train.grad_accum=2
 
 
 def main(run_dir: Path, overrides: list[str]) -> None:
-    register()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        cfg = to_run_config(compose("config", overrides=[
-            "+exp=smoke", f"run_root={run_dir.parent}", f"name={run_dir.name}", *overrides]))
+    cfg = compose_cfg(run_dir, *overrides)
     trainer = Trainer(cfg, load_target(cfg.target))
     rank, world = rank_and_world()
     calls = 0
