@@ -9,7 +9,7 @@ from specdistill.heads.mtp import MTPConfig, MTPHead
 from specdistill.spec.decode import Drafter
 from specdistill.train.loss import LOSSES
 from specdistill.train.teacher import TeacherTargets
-from specdistill.train.ttt import TTTBatch, causal_mask, unroll_ttt
+from specdistill.train.ttt import TTTBatch, causal_mask, trained_window, unroll_ttt
 
 HEAD_KINDS = ["eagle3", "mtp", "mtp3"]
 
@@ -121,15 +121,16 @@ def naive_unroll(head, batch, teacher, steps, step_weight, loss_fn):
 
 @pytest.mark.parametrize("kind", HEAD_KINDS)
 def test_later_steps_only_where_trained_equal_every_step_everywhere(kind):
-    """Prompts without loss and padding: running steps >= 1 only where a later step trains changes nothing."""
+    """Prompts without loss and padding: running steps >= 1 only over the trained range changes nothing."""
     head = tiny_head(kind)
-    B, T, steps = 3, 14, 4
+    B, T, steps = 3, 18, 4
     batch, teacher = random_batch(B, T, head), random_teacher(B, T, head)
-    batch.loss_mask_BT[:, :6] = 0  # a prompt
-    batch.loss_mask_BT[1, 9:] = 0  # a row whose only trained tokens sit early
-    batch.valid_BT[2, 11:] = False  # padding
-    batch.loss_mask_BT[2, 11:] = 0
+    batch.loss_mask_BT[:, :10] = 0  # a prompt: later steps start at position 10 - 2 - 3 = 5
+    batch.loss_mask_BT[1, 13:] = 0  # a row whose only trained tokens sit early
+    batch.valid_BT[2, 15:] = False  # padding
+    batch.loss_mask_BT[2, 15:] = 0
     batch.loss_mask_BT[0] = 0  # and a row with nothing to train
+    assert trained_window(batch.loss_mask_BT[:, 2 + 1:] > 0) != (0, T)  # the range is narrower than the row
     params = [p for p in head.parameters() if p.requires_grad]
     fast = unroll_ttt(head, batch, teacher, steps, 0.8, LOSSES["forward_kl"]).loss
     slow = naive_unroll(head, batch, teacher, steps, 0.8, LOSSES["forward_kl"])

@@ -5,10 +5,10 @@ fused target features), sits at RoPE position t+j, attends causally to step-0 ke
 position's keys from steps 1..j, and is trained toward the target's distribution at t+1+j for the
 token x[t+2+j], weighted step_weight**j. In a packed row (several documents) attention stays inside
 each document, positions restart per document, and a position is trained only if x[t+2+j] belongs to
-its own document, so no shift crosses a document boundary. Steps >= 1 run only at the positions some
-later step trains: a position's later steps read step-0 keys and their own, nothing else.
+its own document, so no shift crosses a document boundary. Steps >= 1 run only over the range of
+positions some later step trains: a position's later steps read step-0 keys and their own, nothing else.
 
-Shapes: B batch, T tokens, M positions run at a step (all T at step 0), A aux features, D head hidden,
+Shapes: B batch, T tokens, M positions with a target at a step, Q positions run at a step, A aux features, D head hidden,
 V draft vocab.
 """
 
@@ -64,21 +64,12 @@ def causal_mask(valid_BT: torch.Tensor) -> torch.Tensor:
     return document_mask(padded_documents(valid_BT))
 
 
-def gather_rows(x: torch.Tensor, idx_BM: torch.Tensor) -> torch.Tensor:
-    """x[b, idx[b, m]] for x of shape [B, T] or [B, T, X]."""
-    index = idx_BM if x.dim() == 2 else idx_BM[..., None].expand(-1, -1, x.shape[-1])
-    return x.gather(1, index)
-
-
-def later_step_positions(counted_BT: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(idx_BM, valid_BM): per row, the positions marked in `counted_BT`, left-aligned and padded with
-    position 0 (valid False); M >= 1 so that an empty selection still has a shape."""
-    count_B = counted_BT.sum(1)
-    M = max(1, int(count_B.max()) if counted_BT.numel() else 0)
-    order_BT = torch.sort((~counted_BT).to(torch.int8), dim=1, stable=True).indices  # marked positions first
-    idx_BM = order_BT[:, :M]
-    valid_BM = torch.arange(M, device=counted_BT.device)[None] < count_B[:, None]
-    return torch.where(valid_BM, idx_BM, 0), valid_BM
+def trained_window(marked_BT: torch.Tensor) -> tuple[int, int]:
+    """[lo, hi): the narrowest range of positions holding every marked one in the batch (at least one
+    position). A range, not a per-row list, so that every lookup stays a slice: a view, never a copy of
+    the [B, T, V] teacher kept for backward."""
+    columns = marked_BT.any(0).nonzero()
+    return (int(columns[0]), int(columns[-1]) + 1) if len(columns) else (0, 1)
 
 
 def unroll_ttt(head, batch: TTTBatch, teacher: TeacherTargets, steps: int, step_weight: float,
@@ -94,28 +85,27 @@ def unroll_ttt(head, batch: TTTBatch, teacher: TeacherTargets, steps: int, step_
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     mask_BQT = mask0_BTT
+    lo, hi = 0, T  # the positions run at this step
 
     def attend(q, k, v):
         keys.append(attn.expand_kv(k))
         values.append(attn.expand_kv(v))
         return ttt_attention(q, keys, values, mask_BQT)
 
-    def at(x_BT: torch.Tensor, shift: int, fill=0) -> torch.Tensor:
-        """x[b, idx[b, m] + shift], `fill` past the end."""
-        src = idx_BM + shift
-        inside = src < T
-        picked = gather_rows(x_BT, src.clamp(max=T - 1))
-        return torch.where(inside, picked, torch.as_tensor(fill, dtype=x_BT.dtype, device=dev))
+    def window(x_BT: torch.Tensor, shift: int = 0, fill=0) -> torch.Tensor:
+        """x[:, lo + shift : hi + shift], `fill` past the end."""
+        part = x_BT[:, lo + shift : hi + shift]
+        missing = hi - lo - part.shape[1]
+        return torch.cat([part, part.new_full((B, missing), fill)], 1) if missing else part
 
     def counted_at(j: int) -> torch.Tensor:
         """Positions trained at step j: x[t+2+j] is a loss token of t's own document."""
-        return (at(batch.loss_mask_BT, 2 + j) > 0) & (at(doc_BT, 2 + j, -2) == at(doc_BT, 0)) & (at(doc_BT, 0) >= 0)
+        doc = window(doc_BT)
+        return (window(batch.loss_mask_BT, 2 + j) > 0) & (window(doc_BT, 2 + j, -2) == doc) & (doc >= 0)
 
-    # 1. step 0 runs at every position (every later step attends to its keys); steps >= 1 only where some
-    #    later step is trained (the assistant turns), since a position's later steps see only step-0 keys
-    #    and its own: on chat data most positions of a long prompt need step 0 alone.
-    idx_BM = torch.arange(T, device=dev).expand(B, T)
-    row_valid_BM = torch.ones(B, T, dtype=torch.bool, device=dev)
+    # 1. step 0 runs at every position (every later step attends to its keys); steps >= 1 only over the
+    #    range of positions some later step trains (the assistant turns), since a position's later steps
+    #    see only step-0 keys and their own: on chat data a long prompt needs step 0 alone.
     hidden = head.initial_hidden(batch.aux_BTA, batch.last_BTH)
     total = hidden.new_zeros((), dtype=torch.float32)
     stats = torch.zeros(4, steps, dtype=torch.float64)
@@ -124,19 +114,20 @@ def unroll_ttt(head, batch: TTTBatch, teacher: TeacherTargets, steps: int, step_
             later_BT = torch.zeros(B, T, dtype=torch.bool, device=dev)
             for i in range(1, steps):
                 later_BT |= counted_at(i)
-            idx_BM, row_valid_BM = later_step_positions(later_BT)
-            hidden = gather_rows(hidden, idx_BM)
-            causal_BMT = torch.arange(T, device=dev)[None, None] <= idx_BM[..., None]
-            mask_BQT = causal_BMT if mask0_BTT is None else gather_rows(mask0_BTT, idx_BM)
+            lo, hi = trained_window(later_BT)
+            hidden = hidden[:, lo:hi]
+            causal_QT = torch.arange(T, device=dev)[None] <= torch.arange(lo, hi, device=dev)[:, None]
+            mask_BQT = causal_QT[None] if mask0_BTT is None else mask0_BTT[:, lo:hi]
         # 2. step j reads the token x[t+1+j] and the previous step's hidden, at position t+j
-        hidden = head.step(at(ids, 1 + j), hidden, at(positions_BT, 0) + j, attend, depth=j)
-        logits_BMV = head.logits(hidden, depth=j)
-        # 3. its target is the teacher at t+1+j predicting x[t+2+j], counted only inside one document,
-        #    trained only where the draft vocab covers it
-        counted_BM = counted_at(j) & row_valid_BM
-        teacher_idx_BM = (idx_BM + 1 + j).clamp(max=T - 1)
-        trained_BM = counted_BM & gather_rows(teacher.covered_BT, teacher_idx_BM)
-        per_pos = loss_fn(logits_BMV, gather_rows(teacher.logp_BTV, teacher_idx_BM))
+        hidden = head.step(window(ids, 1 + j), hidden, window(positions_BT) + j, attend, depth=j)
+        # 3. its target is the teacher at t+1+j predicting x[t+2+j], for the M positions t of the range where
+        #    that token exists; counted only inside one document, trained only where the draft vocab covers it
+        M = max(0, min(hi, T - 2 - j) - lo)
+        logits_BMV = head.logits(hidden[:, :M], depth=j)
+        counted_BM = counted_at(j)[:, :M]
+        rows = slice(lo + 1 + j, lo + 1 + j + M)  # the teacher's rows for these positions
+        trained_BM = counted_BM & teacher.covered_BT[:, rows]
+        per_pos = loss_fn(logits_BMV, teacher.logp_BTV[:, rows])
         n = trained_BM.sum().clamp(min=1)
         step_loss = (per_pos * trained_BM).sum() / n
         total = total + step_weight**j * step_loss
@@ -144,8 +135,8 @@ def unroll_ttt(head, batch: TTTBatch, teacher: TeacherTargets, steps: int, step_
         with torch.no_grad():
             q_BMV = torch.softmax(logits_BMV.float(), -1)
             draft_argmax = head.draft_to_target(logits_BMV.argmax(-1))
-            hit = (draft_argmax == gather_rows(teacher.argmax_BT, teacher_idx_BM)) & counted_BM
-            accept = torch.minimum(q_BMV, gather_rows(teacher.p_full_BTV, teacher_idx_BM)).sum(-1) * counted_BM
+            hit = (draft_argmax == teacher.argmax_BT[:, rows]) & counted_BM
+            accept = torch.minimum(q_BMV, teacher.p_full_BTV[:, rows]).sum(-1) * counted_BM
             c = counted_BM.sum()
             stats[:, j] = torch.stack([step_loss.detach().double() * c, hit.sum().double(),
                                        accept.sum().double(), c.double()]).cpu()
