@@ -10,3 +10,12 @@ def rank_and_world() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
     return 0, 1
+
+
+def join_launch() -> tuple[int, int, torch.device]:
+    """(rank, world, device) of this process, forming the process group first when `accelerate launch`
+    started several (stages before training have no Accelerator to do it)."""
+    from accelerate import PartialState
+
+    device = PartialState().device
+    return (*rank_and_world(), device)

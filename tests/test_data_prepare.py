@@ -1,7 +1,11 @@
-"""The prepare stage on the smoke target: output layout, dtypes, masks, vocab, resume and skip."""
+"""The prepare stage on the smoke target: output layout, dtypes, masks, vocab, resume and skip, sources read
+one window at a time, and two real processes splitting the regeneration."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,10 +13,14 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from specdistill.config import register, to_run_config
-from specdistill.data.prepare import load_prepared, run
+from specdistill.data.cache import ConversationCache
+from specdistill.data.prepare import SourceConversations, load_prepared, run
+from specdistill.data.regenerate import row_key, sampling_params
+from specdistill.data.template import ChatFormat
 from specdistill.pipeline import LazyTarget
 
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
+ROOT = Path(__file__).resolve().parents[1]
+CONF = str(ROOT / "conf")
 
 
 def smoke_cfg(out, *overrides):
@@ -121,6 +129,58 @@ def test_resume_from_the_cache_generates_nothing_again(prepared, tmp_path):
     finally:
         NoGeneration.restore()
     assert load_prepared(copy).samples["messages"] == load_prepared(out).samples["messages"]
+
+
+def write_chats(path: Path, good: int, broken_at: int) -> list[dict]:
+    """`good` ShareGPT rows, with a row lacking its text inserted as line `broken_at`; returns the good rows."""
+    rows = [{"conversations": [{"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": "old"}]}
+            for i in range(good)]
+    lines = [json.dumps(r) for r in rows]
+    lines.insert(broken_at - 1, json.dumps({"conversations": [{"from": "human"}]}))
+    path.write_text("\n".join(lines) + "\n")
+    return rows
+
+
+def test_sources_are_read_and_regenerated_one_window_at_a_time(prepared, tmp_path):
+    *_, target = prepared
+    write_chats(tmp_path / "chats.jsonl", good=6, broken_at=3)
+    cfg = smoke_cfg(tmp_path / "out", "data.source=jsonl", f"data.path={tmp_path / 'chats.jsonl'}",
+                    "data.generation.max_new_tokens=3", "data.generation.chunk_rows=2")
+    sources = SourceConversations(cfg, target, ChatFormat(target.tokenizer), ConversationCache(tmp_path / "c"), 0, 1)
+    stream = iter(sources)
+    first = next(stream)
+    assert sources.total == 2 and len(ConversationCache(tmp_path / "c")) == 2  # only the first window so far
+    rest = list(stream)
+    assert [c["provenance"]["row"] for c in [first, *rest]] == ["line 1", "line 2", "line 4", "line 5", "line 6",
+                                                               "line 7"]
+    assert sources.total == 7 and [(r["position"], r["reason"]) for r in sources.rejects.rows] == [
+        ("line 3", "missing_field")]
+
+
+@pytest.mark.slow  # two processes, each loading torch and the tiny target: ~30 s
+def test_two_processes_regenerate_disjoint_shares_and_keep_every_row_once(tmp_path):
+    rows = write_chats(tmp_path / "chats.jsonl", good=9, broken_at=5)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--main_process_port", "29541", "data_prep/prepare.py", "+exp=smoke",
+           "data.source=jsonl", f"data.path={tmp_path / 'chats.jsonl'}", "data.regenerate=true", f"out={out}",
+           "data.generation.max_new_tokens=4", "data.generation.chunk_rows=2"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    cfg = smoke_cfg(out, "data.generation.max_new_tokens=4")
+    params = sampling_params(cfg.data.generation, "local")
+    keys = [[json.loads(line)["key"] for line in (out / "cache" / f"conversations.rank{r}.jsonl").open()]
+            for r in (0, 1)]
+    assert keys[0] and keys[1] and not set(keys[0]) & set(keys[1])  # each rank wrote its own share
+    wanted = [row_key([{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "old"}],
+                      params, cfg.target.name) for i in range(len(rows))]
+    assert sorted(keys[0] + keys[1]) == sorted(wanted)  # together every good row, once
+    samples = load_prepared(out).samples
+    positions = [json.loads(p)["row"] for p in samples["provenance"]]
+    assert positions == [f"line {n}" for n in (1, 2, 3, 4, 6, 7, 8, 9, 10)]  # in source order, each once
+    rejects = [json.loads(line) for line in (out / "rejects.jsonl").open()]
+    assert [(r["position"], r["reason"]) for r in rejects] == [("line 5", "missing_field")]
 
 
 @pytest.mark.slow

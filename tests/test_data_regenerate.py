@@ -125,3 +125,19 @@ def test_prepare_regenerates_a_spec_bench_style_file(tmp_path):
     provenance = json.loads(row["provenance"])
     assert provenance["regenerated"] and provenance["row"] == "line 1" and provenance["sampling"]["max_new_tokens"] == 5
     assert len(ConversationCache(tmp_path / "out" / "cache")) == 3
+
+
+def test_the_cache_index_reads_only_new_whole_lines(tmp_path):
+    writer, reader = ConversationCache(tmp_path, 1), ConversationCache(tmp_path, 0)
+    writer.put("a", {"messages": ["first"]})
+    assert "a" not in reader
+    reader.reload()
+    assert reader.get("a") == {"messages": ["first"]}
+    with open(writer.path, "ab") as f:
+        f.write(b'{"key": "b", "value": {"mess')  # another rank is mid-write (or was killed here)
+    reader.reload()
+    assert "b" not in reader and len(reader) == 1
+    writer.put("c", {"messages": ["third"]})  # starts on a fresh line: the torn one is skipped for good
+    reader.reload()
+    assert reader.get("c") == {"messages": ["third"]} and "b" not in reader and len(reader) == 2
+    assert all(isinstance(where, tuple) and len(where) == 2 for where in reader.index.values())  # no values kept

@@ -35,7 +35,7 @@ from specdistill.capture.store import (
     write_manifest,
 )
 from specdistill.config import RunConfig
-from specdistill.distributed import rank_and_world
+from specdistill.distributed import join_launch
 from specdistill.target import Target, TargetRunner
 
 log = logging.getLogger(__name__)
@@ -167,14 +167,6 @@ def store_header(target: Target, cfg: RunConfig, data_fingerprint: str) -> dict:
 # ---------------------------------------------------------------- ranks
 
 
-def _distributed() -> tuple[int, int, torch.device]:
-    """(rank, world, device); rank and world come from torch.distributed, which accelerate may misreport."""
-    from accelerate import PartialState
-
-    device = PartialState().device  # initialises torch.distributed under `accelerate launch`
-    return (*rank_and_world(), device)
-
-
 def _barrier(world: int) -> None:
     if world > 1:
         dist.barrier()
@@ -263,7 +255,7 @@ def run(cfg: RunConfig, target) -> dict:
         log.info("capture.mode=online: no feature store; the target runs inside training")
         return {"mode": "online", "skipped": True}
     out_dir = features_dir(cfg)
-    rank, world, device = _distributed()
+    rank, world, device = join_launch()
     where = samples_dir(cfg)
     ds = load_samples(where)
     loaded = target.get()

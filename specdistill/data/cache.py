@@ -3,6 +3,8 @@
 Append-only JSON lines, flushed and fsynced per write: a killed run loses at most the line being
 written, and a torn last line is ignored on reading, so the next run regenerates exactly that work.
 Each rank appends to its own file and reads every rank's file, so ranks never write the same file.
+Only key -> (file, offset) is held in memory; values are read back from disk when asked for, and
+`reload` reads only what the files gained since the last read, so a set larger than memory streams.
 """
 
 from __future__ import annotations
@@ -27,44 +29,62 @@ class ConversationCache:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.path = self.directory / f"conversations.rank{rank}.jsonl"
-        self.entries: dict[str, dict] = {}
+        self.index: dict[str, tuple[Path, int]] = {}  # key -> (file, byte offset of its line)
+        self._read_up_to: dict[Path, int] = {}  # bytes of each file already indexed (whole lines only)
         self.reload()
 
     def reload(self) -> None:
-        """Read every rank's file; lines cut short by a killed writer are skipped."""
+        """Index the lines every rank's file gained since the last call; lines cut short by a killed writer
+        are skipped, and a last line without its newline is left for a later call."""
+        before = len(self.index)
         for path in sorted(self.directory.glob("conversations.rank*.jsonl")):
-            with open(path, encoding="utf-8") as f:
-                for line_no, line in enumerate(f, 1):
+            offset = self._read_up_to.get(path, 0)
+            with open(path, "rb") as f:
+                f.seek(offset)
+                for line in f:
+                    if not line.endswith(b"\n"):
+                        break
                     try:
-                        entry = json.loads(line)
-                        self.entries[entry["key"]] = entry["value"]
-                    except (json.JSONDecodeError, KeyError):
-                        log.warning("%s:%d: skipping an incomplete cache line (an interrupted write)", path, line_no)
-        if self.entries:
-            log.info("conversation cache %s: %d finished entries", self.directory, len(self.entries))
+                        self.index[json.loads(line)["key"]] = (path, offset)
+                    except (json.JSONDecodeError, KeyError, UnicodeDecodeError):
+                        log.warning("%s at byte %d: skipping an incomplete cache line (an interrupted write)",
+                                    path, offset)
+                    offset += len(line)
+            self._read_up_to[path] = offset
+        if len(self.index) > before:
+            log.info("conversation cache %s: %d finished entries", self.directory, len(self.index))
 
     def __contains__(self, key: str) -> bool:
-        return key in self.entries
+        return key in self.index
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return len(self.index)
 
     def get(self, key: str) -> dict | None:
-        return self.entries.get(key)
+        where = self.index.get(key)
+        if where is None:
+            return None
+        path, offset = where
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return json.loads(f.readline())["value"]
 
     def put(self, key: str, value: dict) -> None:
-        line = json.dumps({"key": key, "value": value}, ensure_ascii=False) + "\n"
-        with open(self.path, "a", encoding="utf-8") as f:
+        line = (json.dumps({"key": key, "value": value}, ensure_ascii=False) + "\n").encode("utf-8")
+        with open(self.path, "ab") as f:
             if f.tell() > 0:
                 self._end_torn_line(f)
+            offset = f.tell()
             f.write(line)
             f.flush()
             os.fsync(f.fileno())
-        self.entries[key] = value
+        self.index[key] = (self.path, offset)
+        if self._read_up_to.get(self.path, 0) == offset:  # nothing unread before it: no need to read it back
+            self._read_up_to[self.path] = offset + len(line)
 
     def _end_torn_line(self, f) -> None:
         """Start on a fresh line if the previous writer was killed mid-line."""
         with open(self.path, "rb") as r:
             r.seek(-1, os.SEEK_END)
             if r.read(1) != b"\n":
-                f.write("\n")
+                f.write(b"\n")

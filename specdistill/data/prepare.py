@@ -20,7 +20,9 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from itertools import islice
 from pathlib import Path
 
 import datasets
@@ -37,16 +39,17 @@ from specdistill.data.regenerate import (
     sampling_params,
 )
 from specdistill.data.rejects import RejectLog, RowError
-from specdistill.data.sources import read_conversations
+from specdistill.data.sources import SourceRow, read_conversations
 from specdistill.data.synth import synthesize
 from specdistill.data.template import ChatFormat
 from specdistill.data.vocab import DraftVocab, build_draft_vocab, count_tokens
-from specdistill.distributed import rank_and_world
+from specdistill.distributed import join_launch
 from specdistill.io import write_json
 from specdistill.target import DTYPES, Target
 
 log = logging.getLogger(__name__)
 
+CONVERSATION_FEATURES = datasets.Features({"messages": datasets.Value("string"), "provenance": datasets.Value("string")})
 SAMPLE_FEATURES = datasets.Features({
     "input_ids": datasets.Sequence(datasets.Value("int32")),
     "loss_mask": datasets.Sequence(datasets.Value("uint8")),
@@ -106,7 +109,7 @@ def run(cfg: RunConfig, target) -> dict:
     if done is not None:
         log.info("prepare: %s is complete (%d samples); skipping", data_dir, done["samples"])
         return done
-    rank, world = rank_and_world()
+    rank, world, _ = join_launch()
     timings: dict[str, float] = {}
     t0 = time.time()
     tgt: Target = target.get()
@@ -118,15 +121,25 @@ def run(cfg: RunConfig, target) -> dict:
     if cfg.data.source == "synth":
         if rank != 0:  # synthesis is one sampling stream; the other ranks wait for its result
             return _wait_for_rank0(data_dir)
-        conversations, collect_rejects = synthesize(_local_generator(cfg, tgt, chat, cfg.data.synth.batch_size), chat,
-                                                    cfg.data.synth, cfg.data.generation, cache, cfg.target.name,
-                                                    cfg.seed)
-        total_rows, counted = len(conversations), RejectLog()  # synthesis filters are not bad input
+        synthesized, collect_rejects = synthesize(_local_generator(cfg, tgt, chat, cfg.data.synth.batch_size), chat,
+                                                  cfg.data.synth, cfg.data.generation, cache, cfg.target.name,
+                                                  cfg.seed)
+        stream, counted = iter(synthesized), RejectLog()  # synthesis filters are not bad input
     else:
-        conversations, collect_rejects, total_rows = collect_from_sources(cfg, tgt, chat, cache, rank, world)
-        counted = collect_rejects
-        if rank != 0:
+        sources = SourceConversations(cfg, tgt, chat, cache, rank, world)
+        if rank != 0:  # regenerate this rank's share of every window; rank 0 writes the samples
+            if cfg.data.regenerate:
+                for _ in sources:
+                    pass
             return _wait_for_rank0(data_dir)
+        stream, collect_rejects = iter(sources), sources.rejects
+        counted = collect_rejects
+    build_dir = data_dir / ".build"  # Arrow files of the conversations and tokenized rows, until saved
+    shutil.rmtree(build_dir, ignore_errors=True)
+    conversations = datasets.Dataset.from_generator(
+        _conversation_rows, gen_kwargs={"stream": stream}, features=CONVERSATION_FEATURES, cache_dir=str(build_dir),
+        fingerprint=want)
+    total_rows = len(conversations) if cfg.data.source == "synth" else sources.total  # counted while drained
     timings["conversations_s"] = time.time() - t0
 
     t0 = time.time()
@@ -134,7 +147,7 @@ def run(cfg: RunConfig, target) -> dict:
     timings["tokenize_s"] = time.time() - t0
 
     t0 = time.time()
-    counts_V = count_tokens(samples["input_ids"], samples["loss_mask"], tgt.vocab_size)
+    counts_V, lengths = scan_samples(samples, tgt.vocab_size)
     vocab = build_draft_vocab(counts_V, cfg.data.draft_vocab_size)
     timings["vocab_s"] = time.time() - t0
 
@@ -149,8 +162,9 @@ def run(cfg: RunConfig, target) -> dict:
     if len(samples) == 0:
         raise RuntimeError(f"prepare produced no samples from {total_rows} conversations; see {data_dir / 'rejects.jsonl'}")
     _save_samples(samples, data_dir / "samples")
+    shutil.rmtree(build_dir, ignore_errors=True)
     vocab.save(data_dir / "vocab.safetensors")
-    summary = _summary(cfg, want, samples, vocab, rejects, total_rows, timings)
+    summary = _summary(cfg, want, lengths, vocab, rejects, total_rows, timings)
     write_json(data_dir / "summary.json", summary)
     log.info("prepare: %d samples, %d loss tokens, draft vocab %d covers %.1f%%; wrote %s",
              summary["samples"], summary["loss_tokens"], vocab.size, 100 * vocab.coverage, data_dir)
@@ -169,47 +183,75 @@ def _local_generator(cfg: RunConfig, tgt: Target, chat: ChatFormat, batch_size: 
                           chat.stop_token_ids(), batch_size, num_tokens=len(tgt.tokenizer))
 
 
-def collect_from_sources(cfg: RunConfig, tgt: Target, chat: ChatFormat, cache: ConversationCache, rank: int,
-                         world: int) -> tuple[list[dict], RejectLog, int]:
-    """Read the configured sources and, with `data.regenerate`, have the target rewrite the answers.
+def _conversation_rows(stream: Iterator[dict]) -> Iterator[dict]:
+    """{messages, provenance} dicts -> the JSON-string rows of the Arrow file `from_generator` writes."""
+    for c in stream:
+        yield {"messages": json.dumps(c["messages"], ensure_ascii=False),
+               "provenance": json.dumps(c["provenance"], ensure_ascii=False)}
 
-    Returns the conversations (in source order), the rejected rows, and the number of rows read."""
-    data, generation = cfg.data, cfg.data.generation
-    rejects, good = RejectLog(), []
-    rows = read_conversations([data.path, *data.mix], data.format, data.split, data.streaming, data.limit)
-    total = 0
-    for item in rows:
-        total += 1
-        if item.error is not None:
-            rejects.add(item.source, item.position, item.error)
+
+class SourceConversations:
+    """The configured sources as usable conversations, in source order, read one window at a time.
+
+    With `data.regenerate`, a window is `chunk_rows x world` rows: each rank regenerates its share into the
+    conversation cache, the ranks meet at a barrier, and rank 0 reads the window's answers back from the
+    cache (every rank iterates; only rank 0's iteration yields). Only one window is ever held in memory.
+    `rejects` and `total` (rows read) are complete once the iteration ends."""
+
+    def __init__(self, cfg: RunConfig, tgt: Target, chat: ChatFormat, cache: ConversationCache, rank: int,
+                 world: int):
+        self.cfg, self.cache, self.rank, self.world = cfg, cache, rank, world
+        self.rejects, self.total = RejectLog(), 0
+        generation = cfg.data.generation
+        self.params = sampling_params(generation, generation.backend)
+        if not cfg.data.regenerate:
+            self.backend = None
+        elif generation.backend == "openai":
+            self.backend = OpenAIBackend(generation, cfg.target.name)
         else:
-            good.append(item)
-    if not data.regenerate:
-        return [{"messages": r.row["messages"],
-                 "provenance": {"source": r.source, "row": r.position, "target": cfg.target.name,
-                                "regenerated": False}} for r in good], rejects, total
-    params = sampling_params(generation, generation.backend)
-    if generation.backend == "openai":
-        backend = OpenAIBackend(generation, cfg.target.name)
-    else:
-        backend = LocalBackend(_local_generator(cfg, tgt, chat, generation.batch_size), chat, generation, cfg.seed)
-    failed = regenerate_rows(good, backend, cache, params, cfg.target.name, generation.chunk_rows, rank, world)
-    if world > 1:
-        torch.distributed.barrier()  # every rank's share is in the cache
-        cache.reload()
-    failures = {(r["source"], r["position"]): r for r in failed.rows}
-    conversations = []
-    for r in good:
-        entry = cache.get(row_key(r.row["messages"], params, cfg.target.name))
-        if entry is None:
-            known = failures.get((r.source, r.position))
-            rejects.add(r.source, r.position, RowError(known["reason"], known["detail"]) if known else
-                        RowError("regeneration_failed", "no regenerated answer (see the other ranks' logs)"))
-            continue
-        conversations.append({"messages": entry["messages"],
-                              "provenance": {"source": r.source, "row": r.position, "target": cfg.target.name,
-                                             "regenerated": True, "sampling": params}})
-    return conversations, rejects, total
+            self.backend = LocalBackend(_local_generator(cfg, tgt, chat, generation.batch_size), chat, generation,
+                                        cfg.seed)
+
+    def __iter__(self) -> Iterator[dict]:
+        data = self.cfg.data
+        rows = read_conversations([data.path, *data.mix], data.format, data.split, data.streaming, data.limit)
+        window_rows = data.generation.chunk_rows * (self.world if data.regenerate else 1)
+        while window := list(islice(rows, window_rows)):
+            self.total += len(window)
+            good = []
+            for item in window:
+                if item.error is not None:
+                    self.rejects.add(item.source, item.position, item.error)
+                else:
+                    good.append(item)
+            yield from (self._regenerated(good) if data.regenerate else map(self._as_is, good))
+
+    def _provenance(self, row: SourceRow, regenerated: bool) -> dict:
+        provenance = {"source": row.source, "row": row.position, "target": self.cfg.target.name,
+                      "regenerated": regenerated}
+        return {**provenance, "sampling": self.params} if regenerated else provenance
+
+    def _as_is(self, row: SourceRow) -> dict:
+        return {"messages": row.row["messages"], "provenance": self._provenance(row, False)}
+
+    def _regenerated(self, good: list[SourceRow]) -> Iterator[dict]:
+        target_name, chunk_rows = self.cfg.target.name, self.cfg.data.generation.chunk_rows
+        failed = regenerate_rows(good, self.backend, self.cache, self.params, target_name, chunk_rows, self.rank,
+                                 self.world)
+        if self.world > 1:
+            torch.distributed.barrier()  # every rank's share of the window is in the cache
+            self.cache.reload()
+        if self.rank != 0:
+            return
+        failures = {(r["source"], r["position"]): r for r in failed.rows}
+        for row in good:
+            entry = self.cache.get(row_key(row.row["messages"], self.params, target_name))
+            if entry is None:
+                known = failures.get((row.source, row.position))
+                self.rejects.add(row.source, row.position, RowError(known["reason"], known["detail"]) if known else
+                                 RowError("regeneration_failed", "no regenerated answer (see the other ranks' logs)"))
+                continue
+            yield {"messages": entry["messages"], "provenance": self._provenance(row, True)}
 
 
 def _tokenize_row(row: dict, chat: ChatFormat, max_length: int, overlong: str, last_turn_only: bool) -> dict:
@@ -221,13 +263,9 @@ def _tokenize_row(row: dict, chat: ChatFormat, max_length: int, overlong: str, l
     return {"input_ids": out.input_ids, "loss_mask": out.loss_mask, "truncated": out.truncated, "reject": ""}
 
 
-def tokenize_conversations(conversations: list[dict], chat: ChatFormat,
+def tokenize_conversations(rows: datasets.Dataset, chat: ChatFormat,
                            cfg: RunConfig) -> tuple[datasets.Dataset, RejectLog]:
-    """Tokenize {messages, provenance} rows with `datasets.map` (num_proc); rejected rows are split off."""
-    rows = datasets.Dataset.from_dict({
-        "messages": [json.dumps(c["messages"], ensure_ascii=False) for c in conversations],
-        "provenance": [json.dumps(c["provenance"], ensure_ascii=False) for c in conversations],
-    })
+    """Tokenize {messages, provenance} rows with `datasets.map` (num_proc, on disk); rejected rows are split off."""
     features = datasets.Features({**SAMPLE_FEATURES, "truncated": datasets.Value("bool"),
                                   "reject": datasets.Value("string")})
     data = cfg.data
@@ -236,14 +274,26 @@ def tokenize_conversations(conversations: list[dict], chat: ChatFormat,
                                  "last_turn_only": data.last_turn_only},
                       desc="tokenize", load_from_cache_file=False)
     rejects = RejectLog()
-    for i, (reject, provenance) in enumerate(zip(mapped["reject"], mapped["provenance"])):
-        if reject:
-            info, origin = json.loads(reject), json.loads(provenance)
-            rejects.add(origin.get("source", "?"), origin.get("row", i), RowError(info["reason"], info["detail"]))
+    bad = mapped.filter(lambda r: r != "", input_columns="reject", desc="find rejects")
+    for row in bad.select_columns(["reject", "provenance"]):
+        info, origin = json.loads(row["reject"]), json.loads(row["provenance"])
+        rejects.add(origin.get("source", "?"), origin.get("row", "?"), RowError(info["reason"], info["detail"]))
     kept = mapped.filter(lambda r: r == "", input_columns="reject", desc="drop rejects")
-    log.info("tokenized %d conversations: %d samples, %d truncated, %d rejected", len(rows), len(kept),
-             sum(kept["truncated"]), len(rejects))
+    log.info("tokenized %d conversations: %d samples, %d rejected", len(rows), len(kept), len(rejects))
     return kept.remove_columns("reject"), rejects
+
+
+def scan_samples(samples: datasets.Dataset, vocab_size: int, batch_rows: int = 1024) -> tuple[torch.Tensor, dict]:
+    """One pass over the samples in batches: loss-masked token counts [V] and the length statistics."""
+    counts_V = torch.zeros(vocab_size, dtype=torch.int64)
+    lengths = {"samples": len(samples), "tokens": 0, "max_len": 0, "truncated": 0}
+    for batch in samples.select_columns(["input_ids", "loss_mask", "truncated"]).iter(batch_size=batch_rows):
+        counts_V += count_tokens(batch["input_ids"], batch["loss_mask"], vocab_size)
+        sizes = [len(ids) for ids in batch["input_ids"]]
+        lengths["tokens"] += sum(sizes)
+        lengths["max_len"] = max(lengths["max_len"], max(sizes, default=0))
+        lengths["truncated"] += sum(batch["truncated"])
+    return counts_V, lengths
 
 
 def _save_samples(samples: datasets.Dataset, out: Path) -> None:
@@ -262,19 +312,18 @@ def _save_samples(samples: datasets.Dataset, out: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _summary(cfg: RunConfig, want: str, samples: datasets.Dataset, vocab: DraftVocab, rejects: RejectLog,
-             total_rows: int, timings: dict[str, float]) -> dict:
-    lengths = [len(ids) for ids in samples["input_ids"]]
+def _summary(cfg: RunConfig, want: str, lengths: dict, vocab: DraftVocab, rejects: RejectLog, total_rows: int,
+             timings: dict[str, float]) -> dict:
     return {
         "fingerprint": want,
         "source": cfg.data.source,
         "target": cfg.target.name,
         "conversations": total_rows,
-        "samples": len(samples),
-        "tokens": sum(lengths),
+        "samples": lengths["samples"],
+        "tokens": lengths["tokens"],
         "loss_tokens": int(vocab.counts_V.sum()),
-        "max_len": max(lengths, default=0),
-        "truncated": int(sum(samples["truncated"])),
+        "max_len": lengths["max_len"],
+        "truncated": lengths["truncated"],
         "rejects": len(rejects),
         "rejects_by_reason": rejects.by_reason(),
         "draft_vocab_size": vocab.size,
