@@ -131,7 +131,7 @@ class HeadConfig:
 
 @dataclass
 class TrainConfig:
-    ttt_steps: int = 7
+    ttt_steps: int = 4
     step_weight: float = 0.8
     loss: str = "forward_kl"  # forward_kl | hard_ce | reverse_kl | tv
     lr: float = 3e-4

@@ -49,7 +49,8 @@ from specdistill.target import DTYPES, Target
 
 log = logging.getLogger(__name__)
 
-CONVERSATION_FEATURES = datasets.Features({"messages": datasets.Value("string"), "provenance": datasets.Value("string")})
+CONVERSATION_FEATURES = datasets.Features({"messages": datasets.Value("string"),
+                                           "provenance": datasets.Value("string")})
 SAMPLE_FEATURES = datasets.Features({
     "input_ids": datasets.Sequence(datasets.Value("int32")),
     "loss_mask": datasets.Sequence(datasets.Value("uint8")),
@@ -147,7 +148,7 @@ def run(cfg: RunConfig, target) -> dict:
     timings["tokenize_s"] = time.time() - t0
 
     t0 = time.time()
-    counts_V, lengths = scan_samples(samples, tgt.vocab_size)
+    counts_V, lengths = sample_statistics(samples, tgt.vocab_size)
     vocab = build_draft_vocab(counts_V, cfg.data.draft_vocab_size)
     timings["vocab_s"] = time.time() - t0
 
@@ -283,7 +284,8 @@ def tokenize_conversations(rows: datasets.Dataset, chat: ChatFormat,
     return kept.remove_columns("reject"), rejects
 
 
-def scan_samples(samples: datasets.Dataset, vocab_size: int, batch_rows: int = 1024) -> tuple[torch.Tensor, dict]:
+def sample_statistics(samples: datasets.Dataset, vocab_size: int,
+                      batch_rows: int = 1024) -> tuple[torch.Tensor, dict]:
     """One pass over the samples in batches: loss-masked token counts [V] and the length statistics."""
     counts_V = torch.zeros(vocab_size, dtype=torch.int64)
     lengths = {"samples": len(samples), "tokens": 0, "max_len": 0, "truncated": 0}

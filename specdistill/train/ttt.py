@@ -122,10 +122,14 @@ def unroll_ttt(head, batch: TTTBatch, teacher: TeacherTargets, steps: int, step_
         hidden = head.step(window(ids, 1 + j), hidden, window(positions_BT) + j, attend, depth=j)
         # 3. its target is the teacher at t+1+j predicting x[t+2+j], for the M positions t of the range where
         #    that token exists; counted only inside one document, trained only where the draft vocab covers it
+        #    (the logits only over the range [a, b) of those positions that some row trains: at step 0 this
+        #    skips a long prompt's positions, which no step trains)
         M = max(0, min(hi, T - 2 - j) - lo)
-        logits_BMV = head.logits(hidden[:, :M], depth=j)
         counted_BM = counted_at(j)[:, :M]
-        rows = slice(lo + 1 + j, lo + 1 + j + M)  # the teacher's rows for these positions
+        a, b = trained_window(counted_BM) if counted_BM.any() else (0, 0)
+        logits_BMV = head.logits(hidden[:, a:b], depth=j)
+        counted_BM = counted_BM[:, a:b]
+        rows = slice(lo + 1 + j + a, lo + 1 + j + b)  # the teacher's rows for these positions
         trained_BM = counted_BM & teacher.covered_BT[:, rows]
         per_pos = loss_fn(logits_BMV, teacher.logp_BTV[:, rows])
         n = trained_BM.sum().clamp(min=1)
