@@ -15,6 +15,13 @@ import torch
 from safetensors.torch import save_file
 
 
+def _default_mode(path: Path, base: int) -> None:
+    """mkstemp/mkdtemp make owner-only entries; give the final one the mode a plain create would have."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, base & ~umask)
+
+
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temp path beside `path`; on success rename it over `path`, on failure remove it."""
@@ -24,6 +31,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     os.close(fd)
     try:
         yield Path(tmp)
+        _default_mode(Path(tmp), 0o666)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -67,6 +75,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
     try:
         yield tmp
+        _default_mode(tmp, 0o777)
         if path.exists():
             old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".old"))
             os.replace(path, old / path.name)

@@ -16,9 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import os
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -44,7 +42,7 @@ from specdistill.data.synth import synthesize
 from specdistill.data.template import ChatFormat
 from specdistill.data.vocab import DraftVocab, build_draft_vocab, count_tokens
 from specdistill.distributed import join_launch
-from specdistill.io import write_json
+from specdistill.io import atomic_dir, write_json
 from specdistill.target import DTYPES, Target
 
 log = logging.getLogger(__name__)
@@ -300,18 +298,8 @@ def sample_statistics(samples: datasets.Dataset, vocab_size: int,
 
 def _save_samples(samples: datasets.Dataset, out: Path) -> None:
     """save_to_disk into a temp dir beside `out`, then swap it in (readers never see a partial dir)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
-    try:
-        samples.remove_columns("truncated").save_to_disk(str(tmp / "ds"))
-        if out.exists():
-            old = out.with_name(f".{out.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out, old)
-            shutil.rmtree(old)
-        os.replace(tmp / "ds", out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with atomic_dir(out) as tmp:
+        samples.remove_columns("truncated").save_to_disk(str(tmp))
 
 
 def _summary(cfg: RunConfig, want: str, lengths: dict, vocab: DraftVocab, rejects: RejectLog, total_rows: int,

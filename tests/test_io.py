@@ -1,0 +1,35 @@
+"""Atomic writes: a failed write leaves nothing behind, and what lands has the mode a plain create gives
+(mkstemp/mkdtemp alone would leave exports and data readable by their owner only)."""
+
+import os
+import stat
+
+import pytest
+
+from specdistill.io import atomic_dir, write_json
+
+
+@pytest.fixture
+def umask_022():
+    before = os.umask(0o022)
+    yield
+    os.umask(before)
+
+
+def test_files_and_dirs_land_with_the_umask_mode(tmp_path, umask_022):
+    write_json(tmp_path / "summary.json", {"a": 1})
+    with atomic_dir(tmp_path / "export") as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert stat.S_IMODE((tmp_path / "summary.json").stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "export").stat().st_mode) == 0o755
+    assert (tmp_path / "export" / "config.json").read_text() == "{}"
+
+
+def test_a_failed_write_leaves_the_old_content_and_no_temp_files(tmp_path):
+    write_json(tmp_path / "summary.json", {"old": True})
+    with pytest.raises(RuntimeError), atomic_dir(tmp_path / "summary.json.d"):
+        raise RuntimeError("killed")
+    with pytest.raises(TypeError):
+        write_json(tmp_path / "summary.json", {"bad": object()})
+    assert (tmp_path / "summary.json").read_text() == '{\n  "old": true\n}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
