@@ -31,8 +31,9 @@ def test_default_is_the_embedded_target_with_all_stages():
     cfg = compose_cfg()
     assert cfg.target.name == "embedded:smollm2-135m-instruct"
     assert cfg.stages == ["prepare", "capture", "train", "evaluate", "export"]
-    assert cfg.train.ttt_steps == 7 and cfg.train.step_weight == 0.8 and cfg.train.loss == "forward_kl"
+    assert cfg.train.ttt_steps == 4 and cfg.train.step_weight == 0.8 and cfg.train.loss == "forward_kl"
     assert check_capture_layers(cfg.target, "") == (1, 14, 26)
+    assert compose_cfg("+exp=llama8b").train.ttt_steps == 7  # EAGLE-3's unroll where deep drafts pay off
 
 
 @pytest.mark.parametrize(
