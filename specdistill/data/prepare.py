@@ -9,6 +9,10 @@ Output layout under the data dir (`cfg.out`, else `<run dir>/data`), read by cap
   summary.json        counts, rejects per reason, coverage, timings; written last, so its presence
                       with a matching fingerprint means the stage is complete and can be skipped
   cache/              generated conversations by content hash (a killed run resumes from here)
+  .build/             Arrow files of the conversations and tokenized rows while the stage runs (removed)
+
+Nothing is held whole in memory: sources stream one window at a time (`SourceConversations`), rows go to
+Arrow files on disk, and the statistics are gathered batch by batch.
 """
 
 from __future__ import annotations
