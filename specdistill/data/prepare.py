@@ -313,11 +313,8 @@ def _summary(cfg: RunConfig, want: str, lengths: dict, vocab: DraftVocab, reject
         "source": cfg.data.source,
         "target": cfg.target.name,
         "conversations": total_rows,
-        "samples": lengths["samples"],
-        "tokens": lengths["tokens"],
+        **lengths,  # samples, tokens, max_len, truncated
         "loss_tokens": int(vocab.counts_V.sum()),
-        "max_len": lengths["max_len"],
-        "truncated": lengths["truncated"],
         "rejects": len(rejects),
         "rejects_by_reason": rejects.by_reason(),
         "draft_vocab_size": vocab.size,
