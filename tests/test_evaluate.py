@@ -31,6 +31,15 @@ def test_metrics_from_rounds():
     assert metrics.coverage(hits) == [[1 / 3, 1.0], [1.0]]
 
 
+def test_copy_rounds_start_on_a_token_completing_a_3_gram_already_in_the_context():
+    prompt = [5, 6, 7, 8]
+    output = [5, 6, 7, 9, 6, 7, 9]
+    # rounds start at outputs 0 (5: (7, 8, 5) is new), 1 (6: (8, 5, 6) new), 2 (7: (5, 6, 7) seen in the
+    # prompt), 4 (6: (7, 9, 6) new) and 6 (9: (6, 7, 9) seen in the output)
+    assert metrics.copy_rounds(prompt, output, [0, 0, 1, 1, 0]) == [False, False, True, False, True]
+    assert metrics.copy_rounds([1, 2], [], []) == []
+
+
 def test_benchmarks_jsonl_hf_and_held_out(tmp_path):
     path = tmp_path / "b.jsonl"
     rows = [{"turns": ["a", "b"]}, {"prompt": "c"}, {"messages": [{"role": "user", "content": "d"}]}]
@@ -117,6 +126,9 @@ def test_acceptance_cli_writes_the_report_contract(smoke_head, tmp_path):
     assert REPORT_KEYS <= report.keys()
     assert report["lossless_mismatches"] == 0 and report["num_prompts"] == 4
     assert report["tau"] >= 1.0 and len(report["accept_per_depth"]) == 3
+    for m in (report, *report["baselines"].values()):  # the split rounds add back up to tau
+        share = m["copy_round_share"]
+        assert m["tau"] == pytest.approx(share * m["tau_copy"] + (1 - share) * m["tau_elsewhere"])
     assert report["tree"] == {"depth": 3, "topk": 4, "num_draft_tokens": 12}
     assert {"prompt_lookup", "chain"} == set(report["baselines"])
     assert all(b["lossless_mismatches"] == 0 for b in report["baselines"].values())

@@ -1,5 +1,6 @@
-"""Acceptance metrics from verification rounds: tau, per-depth acceptance and the drafter's top-w
-coverage per depth (what the serving-advice model extrapolates from)."""
+"""Acceptance metrics from verification rounds: tau, per-depth acceptance, tau split by whether the
+round starts on a token copied from the context, and the drafter's top-w coverage per depth (what the
+serving-advice model extrapolates from)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,23 @@ def accept_per_depth_conditional(accepted: list[int], depth: int) -> list[float]
     """P(path reaches depth d | it reached depth d - 1), for d = 1..depth (0 where no round got there)."""
     reached = [len(accepted)] + [sum(a >= d for a in accepted) for d in range(1, depth + 1)]
     return [reached[d] / reached[d - 1] if reached[d - 1] else 0.0 for d in range(1, depth + 1)]
+
+
+def copy_rounds(prompt_ids: list[int], output_ids: list[int], accepted: list[int]) -> list[bool]:
+    """Per verification round: does its first new token complete a 3-gram already in the context (prompt
+    and output so far)? Those rounds are where copying pays (prompt lookup drafts nothing else)."""
+    tokens = list(prompt_ids) + list(output_ids)
+    seen: set[tuple[int, ...]] = set()
+    repeats = [False] * len(tokens)
+    for q in range(2, len(tokens)):
+        gram = tuple(tokens[q - 2 : q + 1])
+        repeats[q] = gram in seen
+        seen.add(gram)
+    flags, q = [], len(prompt_ids)
+    for a in accepted:
+        flags.append(q < len(tokens) and repeats[q])
+        q += a + 1
+    return flags
 
 
 def coverage(hits: list[tuple[int, int, int]]) -> list[list[float]]:

@@ -29,10 +29,14 @@ def summary_markdown(r: dict) -> str:
              f"- speedup vs plain decoding (same run): **{r['speedup']:.2f}x** ({r['wall_s']:.1f}s vs "
              f"{r['baseline_wall_s']:.1f}s; drafting {r['draft_s']:.1f}s, verification {r['verify_s']:.1f}s)",
              f"- outputs differing from plain greedy decoding: {lossless}", "",
-             "| drafter | tau | speedup | target forwards | acceptance per depth |", "|---|---|---|---|---|"]
+             "| drafter | tau | tau on copy rounds | tau elsewhere | speedup | target forwards | acceptance per depth |",
+             "|---|---|---|---|---|---|---|"]
     for name, m in methods(r).items():
         depths = " ".join(f"{a:.2f}" for a in m["accept_per_depth"])
-        lines.append(f"| {name} | {m['tau']:.2f} | {m['speedup']:.2f}x | {m['target_forwards']} | {depths} |")
+        lines.append(f"| {name} | {m['tau']:.2f} | {m['tau_copy']:.2f} | {m['tau_elsewhere']:.2f} | {m['speedup']:.2f}x "
+                     f"| {m['target_forwards']} | {depths} |")
+    lines += ["", f"Copy rounds ({r['copy_round_share']:.0%} of the head's rounds) start on a token that completes a "
+              "3-gram already in the context: where copying pays, and all prompt lookup can draft."]
     text = "\n".join(lines) + "\n"
     return text + ("\n" + advice_markdown(r["serving_advice"]) if r.get("serving_advice") else "")
 
@@ -67,11 +71,12 @@ def log_wandb(report: dict, wandb: WandbConfig, out_dir: Path, name: str) -> Non
 
     run = wb.init(project=wandb.project, entity=wandb.entity, mode=wandb.mode, dir=str(out_dir), name=name,
                   job_type="eval", reinit="finish_previous")
-    columns = ["drafter", "tau", "speedup", "target_forwards", "new_tokens", "accept_per_depth"]
+    columns = ["drafter", "tau", "tau_copy", "tau_elsewhere", "speedup", "target_forwards", "new_tokens",
+               "accept_per_depth"]
     table = wb.Table(columns=columns)
     for drafter, m in methods(report).items():
-        table.add_data(drafter, m["tau"], m["speedup"], m["target_forwards"], m["new_tokens"],
-                       str([round(a, 3) for a in m["accept_per_depth"]]))
+        table.add_data(drafter, m["tau"], m["tau_copy"], m["tau_elsewhere"], m["speedup"], m["target_forwards"],
+                       m["new_tokens"], str([round(a, 3) for a in m["accept_per_depth"]]))
     logged = {"eval/acceptance": table, "eval/tau": report["tau"], "eval/speedup": report["speedup"]}
     if report.get("serving_advice"):
         rows = report["serving_advice"]["per_batch"]

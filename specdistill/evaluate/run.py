@@ -85,6 +85,7 @@ class Tally:
 
     depth: int
     accepted: list[int] = field(default_factory=list)
+    copy_rounds: list[bool] = field(default_factory=list)  # per round: starts on a token copied from the context
     hits: list[tuple[int, int, int]] = field(default_factory=list)
     new_tokens: int = 0
     target_forwards: int = 0
@@ -93,8 +94,10 @@ class Tally:
     verify_s: float = 0.0
     mismatches: int = 0
 
-    def add(self, stats, seconds: float, reference: list[list[int]]) -> None:
+    def add(self, stats, seconds: float, reference: list[list[int]], prompt_ids: list[list[int]]) -> None:
         self.accepted += [a for row in stats.accepted for a in row]
+        self.copy_rounds += [c for ids, out, row in zip(prompt_ids, stats.tokens, stats.accepted)
+                             for c in metrics.copy_rounds(ids, out, row)]
         self.hits += stats.hits
         self.new_tokens += sum(len(t) for t in stats.tokens)
         self.target_forwards += stats.target_forwards
@@ -104,8 +107,13 @@ class Tally:
         self.mismatches += sum(t != r for t, r in zip(stats.tokens, reference))
 
     def report(self, baseline_wall_s: float, greedy: bool) -> dict:
+        copied = [a for a, c in zip(self.accepted, self.copy_rounds) if c]
+        elsewhere = [a for a, c in zip(self.accepted, self.copy_rounds) if not c]
         return {
             "tau": metrics.tau(self.accepted),
+            "tau_copy": metrics.tau(copied),
+            "tau_elsewhere": metrics.tau(elsewhere),
+            "copy_round_share": len(copied) / max(1, len(self.accepted)),
             "accept_per_depth": metrics.accept_per_depth(self.accepted, self.depth),
             "accept_per_depth_conditional": metrics.accept_per_depth_conditional(self.accepted, self.depth),
             "new_tokens": self.new_tokens,
@@ -158,7 +166,7 @@ def evaluate(cfg: RunConfig, target: Target, head, out_dir: Path, head_path: str
             for name, (proposer, _) in proposers.items():
                 stats, seconds = _timed(device, speculative_generate, runner, proposer, ids, ev.max_new_tokens, eos,
                                         sampling, generators[name], pad)
-                tallies[name].add(stats, seconds, reference)
+                tallies[name].add(stats, seconds, reference, ids)
                 outputs[name] = stats
             main = outputs[MAIN]
             for j, i in enumerate(chunk):
@@ -205,7 +213,7 @@ def evaluate_head_tau(head, target: Target, prompts: list[str], cfg: EvalConfig)
         for start in range(0, len(prompts), cfg.batch_size):
             ids = [target.prompt_ids(p) for p in prompts[start : start + cfg.batch_size]]
             stats = speculative_generate(runner, proposer, ids, cfg.loop_max_new_tokens, eos, GREEDY, None, pad)
-            tally.add(stats, 0.0, stats.tokens)
+            tally.add(stats, 0.0, stats.tokens, ids)
     finally:
         head.train(was_training)
     return {"tau": metrics.tau(tally.accepted), "accept_per_depth": metrics.accept_per_depth(tally.accepted, t.depth),
