@@ -24,7 +24,7 @@ def accept_per_depth_conditional(accepted: list[int], depth: int) -> list[float]
 
 def copy_rounds(prompt_ids: list[int], output_ids: list[int], accepted: list[int]) -> list[bool]:
     """Per verification round: does its first new token complete a 3-gram already in the context (prompt
-    and output so far)? Those rounds are where copying pays (prompt lookup drafts nothing else)."""
+    and output so far)? Those rounds are where copying from the context pays most."""
     tokens = list(prompt_ids) + list(output_ids)
     seen: set[tuple[int, ...]] = set()
     repeats = [False] * len(tokens)

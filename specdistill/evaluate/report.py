@@ -36,7 +36,7 @@ def summary_markdown(r: dict) -> str:
         lines.append(f"| {name} | {m['tau']:.2f} | {m['tau_copy']:.2f} | {m['tau_elsewhere']:.2f} | {m['speedup']:.2f}x "
                      f"| {m['target_forwards']} | {depths} |")
     lines += ["", f"Copy rounds ({r['copy_round_share']:.0%} of the head's rounds) start on a token that completes a "
-              "3-gram already in the context: where copying pays, and all prompt lookup can draft."]
+              "3-gram already in the context: where copying from the context pays most."]
     text = "\n".join(lines) + "\n"
     return text + ("\n" + advice_markdown(r["serving_advice"]) if r.get("serving_advice") else "")
 
