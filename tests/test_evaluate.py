@@ -105,6 +105,7 @@ def test_in_loop_tau_on_held_out_prompts(smoke_head):
     cfg.tree.depth, cfg.tree.topk, cfg.tree.num_draft_tokens = 3, 4, 12
     result = evaluate_head_tau(head, target, held_out_prompts("spec_bench", 16, 2), cfg)
     assert result["tau"] >= 1.0 and len(result["accept_per_depth"]) == 3 and result["new_tokens"] == 2 * 8
+    assert {"tau_copy", "tau_elsewhere", "copy_round_share"} <= result.keys()
     assert head.training  # left as it was
 
 

@@ -21,7 +21,8 @@ from specdistill.data.vocab import DraftVocab
 from specdistill.heads import build_head, load_head
 from specdistill.target import load_target
 from specdistill.train.data import OnlineSource, StoreSource
-from specdistill.train.trainer import Trainer, deepspeed_config, make_accelerator
+from specdistill.evaluate.bench import load_prompts
+from specdistill.train.trainer import Trainer, deepspeed_config, load_tau_evaluator, make_accelerator
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -151,6 +152,21 @@ def test_in_loop_tau_keeps_the_best_head_and_packing_trains(prepared, tmp_path):
     assert [h.get("tau") for h in history] == [None, 1.5, None, 2.0, None, 1.8] and calls == [False] * 3
     assert json.loads((run_dir / "ckpt" / "best" / "best.json").read_text()) == {"step": 4, "tau": 2.0}
     assert {"acc/0", "accept/2", "loss/1", "tau_sim", "holdout/tau_sim"} <= history[-1].keys()
+
+
+def test_in_loop_tau_never_runs_on_the_prompts_the_head_is_scored_on(monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr("specdistill.evaluate.run.evaluate_head_tau",
+                        lambda head, target, prompts, cfg: seen.append(prompts) or {"tau": 1.0})
+    cfg = compose_cfg(tmp_path / "loop", "train.eval_every=2", "eval.limit=16", "eval.loop_limit=4")
+    load_tau_evaluator(cfg, target=None)(None)
+    scored = {turns[0] for turns in load_prompts("spec_bench", 16)}
+    assert len(seen[0]) == 4 and not scored & set(seen[0])
+    bench = tmp_path / "three.jsonl"
+    bench.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(3)))
+    small = compose_cfg(tmp_path / "loop", "train.eval_every=2", f"eval.bench={bench}", "eval.limit=3")
+    with pytest.raises(ConfigError, match="outside the 3 evaluated ones"):
+        load_tau_evaluator(small, target=None)
 
 
 def test_deepspeed_configs_compose():

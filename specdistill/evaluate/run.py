@@ -106,14 +106,16 @@ class Tally:
         self.verify_s += stats.verify_s
         self.mismatches += sum(t != r for t, r in zip(stats.tokens, reference))
 
-    def report(self, baseline_wall_s: float, greedy: bool) -> dict:
+    def tau_split(self) -> dict:
+        """tau over all rounds, over copy rounds, over the rest, and the copy rounds' share."""
         copied = [a for a, c in zip(self.accepted, self.copy_rounds) if c]
         elsewhere = [a for a, c in zip(self.accepted, self.copy_rounds) if not c]
+        return {"tau": metrics.tau(self.accepted), "tau_copy": metrics.tau(copied),
+                "tau_elsewhere": metrics.tau(elsewhere), "copy_round_share": len(copied) / max(1, len(self.accepted))}
+
+    def report(self, baseline_wall_s: float, greedy: bool) -> dict:
         return {
-            "tau": metrics.tau(self.accepted),
-            "tau_copy": metrics.tau(copied),
-            "tau_elsewhere": metrics.tau(elsewhere),
-            "copy_round_share": len(copied) / max(1, len(self.accepted)),
+            **self.tau_split(),
             "accept_per_depth": metrics.accept_per_depth(self.accepted, self.depth),
             "accept_per_depth_conditional": metrics.accept_per_depth_conditional(self.accepted, self.depth),
             "new_tokens": self.new_tokens,
@@ -216,7 +218,7 @@ def evaluate_head_tau(head, target: Target, prompts: list[str], cfg: EvalConfig)
             tally.add(stats, 0.0, stats.tokens, ids)
     finally:
         head.train(was_training)
-    return {"tau": metrics.tau(tally.accepted), "accept_per_depth": metrics.accept_per_depth(tally.accepted, t.depth),
+    return {**tally.tau_split(), "accept_per_depth": metrics.accept_per_depth(tally.accepted, t.depth),
             "new_tokens": tally.new_tokens, "target_forwards": tally.target_forwards,
             "seconds": round(time.perf_counter() - t0, 3)}
 

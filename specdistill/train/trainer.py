@@ -123,12 +123,16 @@ def all_ranks_true(flag: bool) -> bool:
 
 
 def load_tau_evaluator(cfg: RunConfig, target: Target):
-    """`head -> {"tau": ...}`: the evaluation stage's tree-verified greedy tau on the first turn of the
-    `cfg.eval` benchmark prompts (imported lazily: evaluation pulls in the decoding stack)."""
-    from specdistill.evaluate.bench import load_prompts
+    """`head -> {"tau": ...}`: the evaluation stage's tree-verified greedy tau on `eval.loop_limit` first turns
+    of the `eval.bench` rows outside the evaluated slice, so the best head is never chosen on the prompts it
+    is finally scored on (imported lazily: evaluation pulls in the decoding stack)."""
+    from specdistill.evaluate.bench import held_out_prompts
     from specdistill.evaluate.run import evaluate_head_tau
 
-    prompts = [turns[0] for turns in load_prompts(cfg.eval.bench, cfg.eval.limit)]
+    prompts = held_out_prompts(cfg.eval.bench, cfg.eval.limit, cfg.eval.loop_limit)
+    if not prompts:
+        raise ConfigError(f"train.eval_every={cfg.train.eval_every} needs rows of eval.bench={cfg.eval.bench} "
+                          f"outside the {cfg.eval.limit} evaluated ones (eval.limit); the benchmark has none left")
     return lambda head: evaluate_head_tau(head, target, prompts, cfg.eval)
 
 
@@ -367,9 +371,10 @@ class Trainer:
             head = self.head_snapshot()
             if self.rank == 0:
                 head.eval()
-                out["tau"] = float(self.tau_evaluator(head)["tau"])
+                result = self.tau_evaluator(head)
+                out.update({k: float(result[k]) for k in ("tau", "tau_copy") if k in result})
                 head.train()
-                log.info("step %d: in-loop tau %.3f", step, out["tau"])
+                log.info("step %d: in-loop tau %.3f (copy rounds %.3f)", step, out["tau"], out.get("tau_copy", 0.0))
                 self.save_best(out["tau"], "tau", head)
             self.accelerator.wait_for_everyone()
         return out
