@@ -18,10 +18,10 @@ from safetensors.torch import load_file
 from specdistill.capture.store import FeatureStore
 from specdistill.config import ConfigError, register, to_run_config
 from specdistill.data.vocab import DraftVocab
+from specdistill.evaluate.bench import load_prompts
 from specdistill.heads import build_head, load_head
 from specdistill.target import load_target
 from specdistill.train.data import OnlineSource, StoreSource
-from specdistill.evaluate.bench import load_prompts
 from specdistill.train.trainer import Trainer, deepspeed_config, load_tau_evaluator, make_accelerator
 
 ROOT = Path(__file__).resolve().parents[1]
