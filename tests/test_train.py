@@ -142,7 +142,7 @@ def test_in_loop_tau_keeps_the_best_head_and_packing_trains(prepared, tmp_path):
 
     def tau_of(head):
         calls.append(head.training)
-        return {"tau": next(taus)}
+        return {"tau": next(taus), "tau_copy": 1.0}
 
     trainer = Trainer(cfg, load_target(cfg.target), tau_evaluator=tau_of)
     plan = trainer.my_batches(0)
@@ -157,7 +157,7 @@ def test_in_loop_tau_keeps_the_best_head_and_packing_trains(prepared, tmp_path):
 def test_in_loop_tau_never_runs_on_the_prompts_the_head_is_scored_on(monkeypatch, tmp_path):
     seen = []
     monkeypatch.setattr("specdistill.evaluate.run.evaluate_head_tau",
-                        lambda head, target, prompts, cfg: seen.append(prompts) or {"tau": 1.0})
+                        lambda head, target, prompts, cfg: seen.append(prompts) or {"tau": 1.0, "tau_copy": 1.0})
     cfg = compose_cfg(tmp_path / "loop", "train.eval_every=2", "eval.limit=16", "eval.loop_limit=4")
     load_tau_evaluator(cfg, target=None)(None)
     scored = {turns[0] for turns in load_prompts("spec_bench", 16)}

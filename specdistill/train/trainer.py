@@ -123,7 +123,7 @@ def all_ranks_true(flag: bool) -> bool:
 
 
 def load_tau_evaluator(cfg: RunConfig, target: Target):
-    """`head -> {"tau": ...}`: the evaluation stage's tree-verified greedy tau on `eval.loop_limit` first turns
+    """`head -> {"tau": ..., "tau_copy": ...}`: the evaluation stage's tree-verified greedy tau on `eval.loop_limit` first turns
     of the `eval.bench` rows outside the evaluated slice, so the best head is never chosen on the prompts it
     is finally scored on (imported lazily: evaluation pulls in the decoding stack)."""
     from specdistill.evaluate.bench import held_out_prompts
@@ -151,8 +151,8 @@ class TrainState:
 
 class Trainer:
     def __init__(self, cfg: RunConfig, target: Target, tau_evaluator=None):
-        """`tau_evaluator(head) -> {"tau": ...}` runs every `train.eval_every` steps (default: the
-        evaluation stage's `evaluate_head_tau` over `cfg.eval` prompts)."""
+        """`tau_evaluator(head) -> {"tau": ..., "tau_copy": ...}` runs every `train.eval_every` steps (default: the
+        evaluation stage's `evaluate_head_tau` on `eval.bench` rows outside the scored slice)."""
         self.cfg = cfg
         self.run_dir = cfg.run_dir
         self.ckpt_dir = self.run_dir / "ckpt"
@@ -372,9 +372,9 @@ class Trainer:
             if self.rank == 0:
                 head.eval()
                 result = self.tau_evaluator(head)
-                out.update({k: float(result[k]) for k in ("tau", "tau_copy") if k in result})
+                out["tau"], out["tau_copy"] = float(result["tau"]), float(result["tau_copy"])
                 head.train()
-                log.info("step %d: in-loop tau %.3f (copy rounds %.3f)", step, out["tau"], out.get("tau_copy", 0.0))
+                log.info("step %d: in-loop tau %.3f (copy rounds %.3f)", step, out["tau"], out["tau_copy"])
                 self.save_best(out["tau"], "tau", head)
             self.accelerator.wait_for_everyone()
         return out
