@@ -171,6 +171,7 @@ class AdviceConfig:
     launch_us: float = 8.0  # fixed cost per forward (kernel launches, scheduling)
     bytes_per_param: float = 2.0
     context_len: int = 2048
+    min_rounds: int = 30  # a coverage cell measured on fewer verification rounds is left out as noise
     batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256])
 
 

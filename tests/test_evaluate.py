@@ -11,7 +11,7 @@ import torch
 
 from specdistill.config import AdviceConfig, EvalConfig, HeadConfig, TargetConfig
 from specdistill.evaluate import metrics
-from specdistill.evaluate.advice import ModelCost, advise, expected_speedup, expected_tau
+from specdistill.evaluate.advice import ModelCost, advise, expected_speedup, expected_tau, topks
 from specdistill.evaluate.bench import evaluated_indices, held_out_prompts, load_items, load_prompts
 from specdistill.evaluate.run import evaluate_head_tau
 from specdistill.heads import build_head, save_head
@@ -29,6 +29,8 @@ def test_metrics_from_rounds():
     assert metrics.accept_per_depth_conditional(accepted, 4) == [0.75, 2 / 3, 0.5, 0.0]
     hits = [(1, 2, 0), (1, 2, 1), (1, 1, -1), (2, 1, 0)]
     assert metrics.coverage(hits) == [[1 / 3, 1.0], [1.0]]
+    assert metrics.coverage(hits, min_rounds=2) == [[1 / 3, 1.0], []]  # depth 2 rests on one round
+    assert metrics.coverage(hits, min_rounds=3) == [[1 / 3], []]
 
 
 def test_copy_rounds_start_on_a_token_completing_a_3_gram_already_in_the_context():
@@ -75,7 +77,10 @@ def test_advice_speedup_falls_as_batch_grows():
     fixed = [expected_speedup(3.0, 6, 8, 60, b, target, head, cfg) for b in cfg.batch_sizes]
     # flat while memory-bound (within 1%: fixed drafting costs thin out as KV reads grow), then falling
     assert all(a >= 0.99 * b for a, b in zip(fixed, fixed[1:])) and fixed[0] > 1.5 > 1.0 > fixed[-1]
-    advice = advise(table, target, head, cfg, "eagle3", {"sglang": "/run/export/sglang", "vllm": "/run/export/vllm"})
+    evaluated = {"depth": 6, "topk": 4, "num_draft_tokens": 48, "tau": 3.4}
+    advice = advise(table, target, head, cfg, "eagle3", {"sglang": "/run/export/sglang", "vllm": "/run/export/vllm"},
+                    evaluated)
+    assert advice["model_check"] == {**evaluated, "expected_tau": pytest.approx(expected_tau(table, 6, 4, 48), abs=1e-3)}
     best = [r["expected_speedup"] for r in advice["per_batch"]]
     assert all(a >= 0.99 * b for a, b in zip(best, best[1:])) and best[-1] < 0.7 * best[0]
     small, large = advice["per_batch"][0], advice["per_batch"][-1]
@@ -83,6 +88,19 @@ def test_advice_speedup_falls_as_batch_grows():
     assert f"--speculative-num-draft-tokens {small['num_draft_tokens'] + 1}" in small["sglang"]
     assert '"num_speculative_tokens"' in small["vllm"] and "--speculative-eagle-topk" in small["sglang"]
     assert "path /run/export/sglang " in small["sglang"] and '"model": "/run/export/vllm"' in small["vllm"]
+
+
+def test_advice_weighs_every_top_k_the_evaluation_measured():
+    assert topks(16) == [1, 2, 4, 8, 16] and topks(12) == [1, 2, 4, 8, 12] and topks(1) == topks(0) == [1]
+    # coverage that keeps rising up to width 16 (a top-k 16 evaluation tree): at batch 1 the widest tree wins
+    table = [[min(0.3 + 0.03 * w, 0.9) for w in range(1, 17)]] * 4
+    target, head = llama8b_like()
+    evaluated = {"depth": 4, "topk": 16, "num_draft_tokens": 60, "tau": 2.0}
+    advice = advise(table, target, head, AdviceConfig(), "eagle3", {"sglang": "s", "vllm": "v"}, evaluated)
+    assert advice["per_batch"][0]["topk"] == 16
+    narrow = advise([row[:8] for row in table], target, head, AdviceConfig(), "eagle3", {"sglang": "s", "vllm": "v"},
+                    evaluated)
+    assert max(r["topk"] for r in narrow["per_batch"]) <= 8
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +142,9 @@ def test_acceptance_cli_writes_the_report_contract(smoke_head, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tau" in proc.stdout and str(out / "report.json") in proc.stdout
     report = json.loads((out / "report.json").read_text())
+    printed = proc.stdout.split("(baselines: ")[1].split(")")[0].split(", ")  # only the baselines that ran
+    assert sorted(printed) == sorted(f"{name} {b['tau']:.2f}" for name, b in report["baselines"].items())
+    assert report["baselines"].keys() == {"prompt_lookup", "chain"}
     assert REPORT_KEYS <= report.keys()
     assert report["lossless_mismatches"] == 0 and report["num_prompts"] == 4
     assert report["tau"] >= 1.0 and len(report["accept_per_depth"]) == 3
@@ -134,6 +155,7 @@ def test_acceptance_cli_writes_the_report_contract(smoke_head, tmp_path):
     assert {"prompt_lookup", "chain"} == set(report["baselines"])
     assert all(b["lossless_mismatches"] == 0 for b in report["baselines"].values())
     assert len(report["serving_advice"]["per_batch"]) == len(AdviceConfig().batch_sizes)
+    assert report["serving_advice"]["model_check"]["tau"] == round(report["tau"], 3)
     rows = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
     second = next(r for r in rows if r["turn"] == 1)
     first = next(r for r in rows if r["turn"] == 0 and r["item"] == second["item"])
@@ -142,6 +164,7 @@ def test_acceptance_cli_writes_the_report_contract(smoke_head, tmp_path):
     assert (out / "acceptance.png").stat().st_size > 0
     summary = (out / "summary.md").read_text()
     assert "## Serving advice" in summary and "| 256 |" in summary and "prompt_lookup" in summary
+    assert "Model check: the evaluated tree" in summary
 
 
 def test_acceptance_cli_names_a_missing_head(tmp_path):

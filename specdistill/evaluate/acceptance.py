@@ -61,8 +61,8 @@ def main(dict_cfg: DictConfig) -> dict:
     log.info("evaluating head %s on %s (%s, %d prompts)", cfg.head_dir, target.name, cfg.bench, cfg.limit)
     report = evaluate(run, target, load_any_head(cfg.head_dir, target), Path(cfg.out), cfg.head_dir)
     lossless = report["lossless_mismatches"]
-    print(f"tau {report['tau']:.2f} (prompt lookup {report['baselines'].get('prompt_lookup', {}).get('tau', 0):.2f}, "
-          f"chain {report['baselines'].get('chain', {}).get('tau', 0):.2f}), speedup {report['speedup']:.2f}x, "
+    baselines = ", ".join(f"{name} {b['tau']:.2f}" for name, b in report["baselines"].items()) or "none run"
+    print(f"tau {report['tau']:.2f} (baselines: {baselines}), speedup {report['speedup']:.2f}x, "
           f"lossless mismatches {lossless}")
     print(f"report: {Path(cfg.out) / 'report.json'}\nsummary: {Path(cfg.out) / 'summary.md'}")
     return report

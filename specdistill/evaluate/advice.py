@@ -24,7 +24,6 @@ from torch import nn
 from specdistill.config import AdviceConfig
 
 STEPS = range(1, 9)
-TOPKS = (1, 2, 4, 8)
 DRAFT_TOKENS = (4, 8, 16, 32, 48, 64)
 
 
@@ -88,11 +87,18 @@ def expected_tau(table: list[list[float]], steps: int, topk: int, draft_tokens: 
     return total
 
 
-def candidates() -> list[tuple[int, int, int]]:
+def topks(measured_width: int) -> list[int]:
+    """1, 2, 4, ... and the widest top-k the evaluation measured: wider trees would read coverage that
+    was never measured (held at the last measured width, so they could only look as good, never better)."""
+    powers = {1 << i for i in range(measured_width.bit_length())}  # each <= measured_width
+    return sorted(powers | {measured_width}) if measured_width > 1 else [1]
+
+
+def candidates(measured_width: int) -> list[tuple[int, int, int]]:
     """(steps, topk, draft tokens) an engine accepts: chains have n = steps; trees n in [steps, k + (s-1) k^2]."""
     out = []
     for s in STEPS:
-        for k in TOPKS:
+        for k in topks(measured_width):
             sizes = [s] if k == 1 else sorted({n for n in DRAFT_TOKENS if s < n <= k + (s - 1) * k * k})
             out += [(s, k, n) for n in sizes]
     return out
@@ -123,11 +129,13 @@ def vllm_flags(kind: str, head_path: str, steps: int) -> str:
 
 
 def advise(table: list[list[float]], target: ModelCost, head: ModelCost, cfg: AdviceConfig, kind: str,
-           serve_dirs: dict[str, str]) -> dict:
+           serve_dirs: dict[str, str], evaluated: dict) -> dict:
     """The best tree (SGLang) and the best chain (vLLM) per batch size, with expected tau and speedup, as
     flags naming the head directory each engine loads (`serve_dirs["sglang"]`, `serve_dirs["vllm"]`).
-    Where nothing beats plain decoding the advice is to serve without speculation."""
-    grid = [(c, expected_tau(table, *c)) for c in candidates()]
+    Where nothing beats plain decoding the advice is to serve without speculation. `evaluated` (the
+    evaluated tree's depth, topk, num_draft_tokens and measured tau) checks the model against the
+    measurement it came from: `model_check`."""
+    grid = [(c, expected_tau(table, *c)) for c in candidates(max((len(row) for row in table), default=1))]
     per_batch = []
     for batch in cfg.batch_sizes:
         scored = [(expected_speedup(t, *c, batch, target, head, cfg), c, t) for c, t in grid]
@@ -144,7 +152,9 @@ def advise(table: list[list[float]], target: ModelCost, head: ModelCost, cfg: Ad
     return {"hardware": {"gpu": cfg.gpu, "peak_tflops": cfg.peak_tflops, "memory_tbps": cfg.memory_tbps,
                          "launch_us": cfg.launch_us, "bytes_per_param": cfg.bytes_per_param},
             "context_len": cfg.context_len, "target": asdict(target), "head": asdict(head),
-            "coverage": [[round(c, 4) for c in row] for row in table], "per_batch": per_batch}
+            "coverage": [[round(c, 4) for c in row] for row in table], "per_batch": per_batch,
+            "model_check": {**evaluated, "expected_tau": round(expected_tau(
+                table, evaluated["depth"], evaluated["topk"], evaluated["num_draft_tokens"]), 3)}}
 
 
 def advice_markdown(advice: dict) -> str:
@@ -157,7 +167,10 @@ def advice_markdown(advice: dict) -> str:
         lines.append(f"| {r['batch_size']} | {r['steps']} | {r['topk']} | {r['num_draft_tokens']} | "
                      f"{r['expected_tau']:.2f} | {r['expected_speedup']:.2f}x | {r['vllm_steps']} | "
                      f"{r['vllm_expected_speedup']:.2f}x |")
-    lines.append("")
+    check = advice["model_check"]
+    lines += ["", f"Model check: the evaluated tree (depth {check['depth']}, top-k {check['topk']}, "
+              f"{check['num_draft_tokens']} draft tokens) measured tau {check['tau']:.2f}; the model expects "
+              f"{check['expected_tau']:.2f} for it.", ""]
     for r in advice["per_batch"]:
         lines += [f"- batch {r['batch_size']}:", f"  - SGLang: `{r['sglang']}`", f"  - vLLM: `{r['vllm']}`"]
     return "\n".join(lines) + "\n"

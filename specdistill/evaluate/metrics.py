@@ -39,9 +39,11 @@ def copy_rounds(prompt_ids: list[int], output_ids: list[int], accepted: list[int
     return flags
 
 
-def coverage(hits: list[tuple[int, int, int]]) -> list[list[float]]:
+def coverage(hits: list[tuple[int, int, int]], min_rounds: int = 1) -> list[list[float]]:
     """coverage[d - 1][w - 1] = P(the target's token is among the drafter's top-w children at depth d |
-    the path reached depth d - 1), from rounds whose parent offered at least w children.
+    the path reached depth d - 1), from rounds whose parent offered at least w children. A row ends at
+    the first width offered in fewer than `min_rounds` rounds: deep, wide cells rest on a handful of
+    rounds, and a lucky 1.0 there would inflate every tree that reads it.
     hits: (depth, children of the accepted parent, rank of the accepted child or -1)."""
     if not hits:
         return []
@@ -53,6 +55,8 @@ def coverage(hits: list[tuple[int, int, int]]) -> list[list[float]]:
         row = []
         for w in range(1, widths + 1):
             offered = [r for c, r in at_depth if c >= w]
+            if len(offered) < min_rounds:
+                break
             row.append(sum(0 <= r < w for r in offered) / len(offered))
         table.append(row)
     return table

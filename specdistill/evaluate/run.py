@@ -192,10 +192,12 @@ def evaluate(cfg: RunConfig, target: Target, head, out_dir: Path, head_path: str
         "plain_new_tokens": sum(len(r["plain_output_ids"]) for r in rows),
         "baselines": {name: t.report(plain_s, greedy) for name, t in tallies.items() if name != MAIN},
     }
-    table = metrics.coverage(tallies[MAIN].hits + (tallies["chain"].hits if "chain" in tallies else []))
+    table = metrics.coverage(tallies[MAIN].hits + (tallies["chain"].hits if "chain" in tallies else []),
+                             ev.advice.min_rounds)
     report["serving_advice"] = advise(table, target_cost(target.model, ev.advice), head_cost(head, ev.advice),
                                       ev.advice, head.config.kind,
-                                      serve_dirs or dict.fromkeys(("sglang", "vllm"), head_path or "<head dir>"))
+                                      serve_dirs or dict.fromkeys(("sglang", "vllm"), head_path or "<head dir>"),
+                                      {**tree_shape(ev), "tau": round(report["tau"], 3)})
     write_report(report, rows, out_dir, cfg.wandb)
     return report
 
