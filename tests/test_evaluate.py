@@ -80,7 +80,8 @@ def test_advice_speedup_falls_as_batch_grows():
     evaluated = {"depth": 6, "topk": 4, "num_draft_tokens": 48, "tau": 3.4}
     advice = advise(table, target, head, cfg, "eagle3", {"sglang": "/run/export/sglang", "vllm": "/run/export/vllm"},
                     evaluated)
-    assert advice["model_check"] == {**evaluated, "expected_tau": pytest.approx(expected_tau(table, 6, 4, 48), abs=1e-3)}
+    expected = pytest.approx(expected_tau(table, 6, 4, 48), abs=1e-3)
+    assert advice["model_check"] == {**evaluated, "expected_tau": expected}
     best = [r["expected_speedup"] for r in advice["per_batch"]]
     assert all(a >= 0.99 * b for a, b in zip(best, best[1:])) and best[-1] < 0.7 * best[0]
     small, large = advice["per_batch"][0], advice["per_batch"][-1]

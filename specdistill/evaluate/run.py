@@ -197,7 +197,7 @@ def evaluate(cfg: RunConfig, target: Target, head, out_dir: Path, head_path: str
     report["serving_advice"] = advise(table, target_cost(target.model, ev.advice), head_cost(head, ev.advice),
                                       ev.advice, head.config.kind,
                                       serve_dirs or dict.fromkeys(("sglang", "vllm"), head_path or "<head dir>"),
-                                      {**tree_shape(ev), "tau": round(report["tau"], 3)})
+                                      {**report["tree"], "tau": round(report["tau"], 3)})
     write_report(report, rows, out_dir, cfg.wandb)
     return report
 

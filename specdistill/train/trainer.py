@@ -123,9 +123,10 @@ def all_ranks_true(flag: bool) -> bool:
 
 
 def load_tau_evaluator(cfg: RunConfig, target: Target):
-    """`head -> {"tau": ..., "tau_copy": ...}`: the evaluation stage's tree-verified greedy tau on `eval.loop_limit` first turns
-    of the `eval.bench` rows outside the evaluated slice, so the best head is never chosen on the prompts it
-    is finally scored on (imported lazily: evaluation pulls in the decoding stack)."""
+    """`head -> {"tau": ..., "tau_copy": ...}`: the evaluation stage's tree-verified greedy tau on
+    `eval.loop_limit` first turns of the `eval.bench` rows outside the evaluated slice, so the best head is
+    never chosen on the prompts it is finally scored on (imported lazily: evaluation pulls in the decoding
+    stack)."""
     from specdistill.evaluate.bench import held_out_prompts
     from specdistill.evaluate.run import evaluate_head_tau
 
@@ -151,8 +152,8 @@ class TrainState:
 
 class Trainer:
     def __init__(self, cfg: RunConfig, target: Target, tau_evaluator=None):
-        """`tau_evaluator(head) -> {"tau": ..., "tau_copy": ...}` runs every `train.eval_every` steps (default: the
-        evaluation stage's `evaluate_head_tau` on `eval.bench` rows outside the scored slice)."""
+        """`tau_evaluator(head) -> {"tau": ..., "tau_copy": ...}` runs every `train.eval_every` steps (default:
+        the evaluation stage's `evaluate_head_tau` on `eval.bench` rows outside the scored slice)."""
         self.cfg = cfg
         self.run_dir = cfg.run_dir
         self.ckpt_dir = self.run_dir / "ckpt"
