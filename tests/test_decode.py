@@ -9,12 +9,16 @@ from specdistill.config import HeadConfig, TargetConfig
 from specdistill.heads import build_head
 from specdistill.spec.decode import (
     GREEDY,
+    GenerationStats,
     HeadProposer,
     LookupProposer,
     Sampling,
+    _record_hits,
     plain_generate,
     speculative_generate,
 )
+from specdistill.spec.tree import Tree
+from specdistill.spec.verify import Verdict
 from specdistill.target import Target, TargetRunner, load_target
 
 TEXTS = ["Tell me a story about a dragon", "2+2=", "Write a poem about the sea, the sky and the wind"]
@@ -76,6 +80,20 @@ def test_prompt_lookup_is_lossless_and_accepts_repeats(setup):
     assert tokens == reference
     per_row = [sum(a) / len(a) for a in accepted]
     assert max(per_row) > 1.0 and len(set(per_row)) > 1  # rows accept different lengths
+
+
+def test_hits_rank_the_target_token_in_the_drafters_top_k_not_among_the_kept_children():
+    # root 9 -> node 1 (token 4) -> node 2 (token 6); the drafter ranked [4, 5, 7] at the root and
+    # [3, 6, 8] at node 1, of which the tree kept one child each; node 2 was never expanded
+    tree = Tree(torch.tensor([[9, 4, 6]]), torch.tensor([[-1, 0, 1]]), torch.tensor([[0, 1, 2]]), torch.zeros(1, 3),
+                child_ranked=torch.tensor([[[4, 5, 7], [3, 6, 8], [-1, -1, -1]]]))
+    stats = GenerationStats(tokens=[[]], accepted=[[]])
+    # the target took 4, then 8: the drafter's third choice at node 1, which the tree did not keep
+    _record_hits(stats, tree, Verdict(torch.tensor([[0, 1, -1]]), torch.tensor([1]), torch.tensor([[4, 8, -1]])), 0)
+    assert stats.hits == [(1, 3, 0), (2, 3, 2)]
+    stats.hits.clear()  # the whole chain accepted: node 2's children were never ranked, so no depth-3 hit
+    _record_hits(stats, tree, Verdict(torch.tensor([[0, 1, 2]]), torch.tensor([2]), torch.tensor([[4, 6, 11]])), 0)
+    assert stats.hits == [(1, 3, 0), (2, 3, 1)]
 
 
 def test_lookup_continuation_takes_the_latest_match():

@@ -68,6 +68,17 @@ def llama8b_like() -> tuple[ModelCost, ModelCost]:
     return target, head
 
 
+def test_expected_tau_keeps_the_best_draft_tokens_of_the_engines_tree():
+    # rank marginals 0.5 and 0.2 at every depth: depth-1 candidates 0.5, 0.2; depth 2 (both expanded)
+    # 0.25, 0.1, 0.1, 0.04. Three draft tokens keep 0.5, 0.25 and 0.2 (the root's second child beats the
+    # rank-2 child of the first), not a width-1 chain of 0.5, 0.25
+    table = [[0.5, 0.7]]
+    assert expected_tau(table, 2, 2, 3) == pytest.approx(1.95)
+    assert expected_tau(table, 2, 2, 6) == pytest.approx(2.19)
+    assert expected_tau(table, 2, 1, 2) == pytest.approx(1.75)
+    assert expected_tau([[0.5, 0.4]], 2, 2, 6) == expected_tau([[0.5]], 2, 1, 2)  # noise never makes rank 2 negative
+
+
 def test_advice_speedup_falls_as_batch_grows():
     table = [[0.75, 0.85, 0.9, 0.92]] + [[0.7, 0.8, 0.85, 0.88]] * 5
     assert expected_tau(table, 1, 1, 1) == pytest.approx(1.75)
@@ -83,7 +94,7 @@ def test_advice_speedup_falls_as_batch_grows():
     expected = pytest.approx(expected_tau(table, 6, 4, 48), abs=1e-3)
     assert advice["model_check"] == {**evaluated, "expected_tau": expected}
     best = [r["expected_speedup"] for r in advice["per_batch"]]
-    assert all(a >= 0.99 * b for a, b in zip(best, best[1:])) and best[-1] < 0.7 * best[0]
+    assert all(a >= 0.99 * b for a, b in zip(best, best[1:])) and best[-1] < 0.8 * best[0]
     small, large = advice["per_batch"][0], advice["per_batch"][-1]
     assert small["num_draft_tokens"] >= large["num_draft_tokens"] or not large["speculate"]
     assert f"--speculative-num-draft-tokens {small['num_draft_tokens'] + 1}" in small["sglang"]

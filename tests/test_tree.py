@@ -161,6 +161,9 @@ def test_dynamic_tree_matches_brute_force(depth, topk, num_nodes):
             was_expanded = n == 0 or kept[n - 1][1] in expanded
             want = table[tree.tokens[b, n]].exp() if was_expanded else torch.zeros(VOCAB)
             torch.testing.assert_close(probs, want)
+            # child_ranked: the drafter's whole top-k there, best first, kept as children or not
+            ranked = table[tree.tokens[b, n]].topk(topk).indices.tolist() if was_expanded else [-1] * topk
+            assert tree.child_ranked[b, n].tolist() == ranked
 
 
 def test_dynamic_tree_frontier_parents_index_the_previous_frontier():
@@ -186,6 +189,9 @@ def test_static_and_chain_shapes():
             lp = table[tree.tokens[b, parent], tree.tokens[b, i]]
             torch.testing.assert_close(tree.scores[b, i], tree.scores[b, parent] + lp)
         assert tree.tokens[b, 1:3].tolist() == table[tree.tokens[b, 0]].topk(2).indices.tolist()
+        for i in range(tree.num_nodes):  # every node above the last depth ranked its top-2; leaves -1
+            ranked = table[tree.tokens[b, i]].topk(2).indices.tolist() if tree.depths[b, i] < 4 else [-1, -1]
+            assert tree.child_ranked[b, i].tolist() == ranked
     chain = chain_tree(torch.tensor([4]), table[[4]], step, 5)
     assert chain.parents[0].tolist() == [-1, 0, 1, 2, 3, 4] and chain.depth == 5
     for i in range(1, 6):

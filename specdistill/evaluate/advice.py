@@ -1,11 +1,14 @@
 """Serving advice: which draft tree to serve at which batch size, from measured acceptance and a
 roofline cost model, printed as ready SGLang and vLLM flags.
 
-Expected tau of a tree (steps s, top-k k, n draft tokens): 1 + sum_d prod_{j<=d} c_j(w_j), where
-c_j(w) is the measured coverage (the target's token among the drafter's top-w children at depth j,
-given the path got there) and w_j = min(k, n // s) is the width under the accepted parent (the n
-tokens spread over s depths; the best-scored parent, usually the accepted one, keeps its top children).
-Past the measured depths or widths the last measured value holds, so the model never extrapolates up.
+Expected tau of a tree (steps s, top-k k, n draft tokens): the tree an engine grows (EAGLE-2: each
+of the k best nodes at a depth proposes its top-k children, the best n of all candidates are kept),
+grown here with each candidate scored by its chance of being on the accepted path: the product over
+its path of m_j(r) = c_j(r) - c_j(r - 1), where c_j(w) is the measured coverage (the target's token
+among the drafter's top-w at depth j, given the path got there). tau = 1 + the sum of the kept
+scores. The engine ranks by the drafter's own scores, which adapt per context, so the model is a
+little cautious for confident drafters. Past the measured depths or widths the last measured value
+holds, so the model never extrapolates up.
 
 Cost of a forward of t tokens per row, batch b, context C (roofline): max(FLOPs / peak, bytes /
 bandwidth) + launch, FLOPs = 2 P b t + 4 layers attn_width C b t, bytes = P bytes_per_param +
@@ -71,20 +74,21 @@ def head_cost(head: nn.Module, cfg: AdviceConfig) -> ModelCost:
 
 
 def _coverage_at(table: list[list[float]], depth: int, width: int) -> float:
-    if not table:
+    if not table or width < 1:
         return 0.0
     row = next((r for r in reversed(table[:depth]) if r), [])
-    return row[min(width, len(row)) - 1] if row else 0.0
+    return max(row[: min(width, len(row))], default=0.0)  # the running max: coverage never falls with width
 
 
 def expected_tau(table: list[list[float]], steps: int, topk: int, draft_tokens: int) -> float:
-    """1 + expected accepted tokens of a tree, from the coverage table (see the module docstring)."""
-    width = max(1, min(topk, draft_tokens // steps))
-    reach, total = 1.0, 1.0
+    """1 + expected accepted tokens of an EAGLE-2 tree, from the coverage table (see the module docstring)."""
+    frontier, kept = [1.0], []
     for d in range(1, steps + 1):
-        reach *= _coverage_at(table, d, width)
-        total += reach
-    return total
+        ranks = [_coverage_at(table, d, r) - _coverage_at(table, d, r - 1) for r in range(1, topk + 1)]
+        scored = sorted((p * m for p in frontier for m in ranks), reverse=True)
+        kept += scored
+        frontier = scored[:topk]
+    return 1.0 + sum(sorted(kept, reverse=True)[:draft_tokens])
 
 
 def topks(measured_width: int) -> list[int]:

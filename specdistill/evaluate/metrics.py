@@ -40,11 +40,11 @@ def copy_rounds(prompt_ids: list[int], output_ids: list[int], accepted: list[int
 
 
 def coverage(hits: list[tuple[int, int, int]], min_rounds: int = 1) -> list[list[float]]:
-    """coverage[d - 1][w - 1] = P(the target's token is among the drafter's top-w children at depth d |
-    the path reached depth d - 1), from rounds whose parent offered at least w children. A row ends at
-    the first width offered in fewer than `min_rounds` rounds: deep, wide cells rest on a handful of
+    """coverage[d - 1][w - 1] = P(the target's token is among the drafter's top-w tokens at depth d |
+    the path reached depth d - 1), from rounds whose parent was ranked at least w deep. A row ends at
+    the first width ranked in fewer than `min_rounds` rounds: deep, wide cells rest on a handful of
     rounds, and a lucky 1.0 there would inflate every tree that reads it.
-    hits: (depth, children of the accepted parent, rank of the accepted child or -1)."""
+    hits: (depth, tokens the drafter ranked at the accepted parent, the target token's rank or -1)."""
     if not hits:
         return []
     max_depth = max(d for d, _, _ in hits)

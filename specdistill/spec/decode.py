@@ -249,7 +249,7 @@ class GenerationStats:
 
     tokens: list[list[int]]
     accepted: list[list[int]]  # accepted draft tokens per verification round, per row
-    hits: list[tuple[int, int, int]] = field(default_factory=list)  # (depth, parent's children, rank or -1)
+    hits: list[tuple[int, int, int]] = field(default_factory=list)  # (depth, tokens ranked, rank or -1)
     target_forwards: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -309,15 +309,21 @@ def _trim(tokens: list[int], eos: set[int], max_new: int) -> list[int]:
 
 
 def _record_hits(stats: GenerationStats, tree: Tree, verdict: Verdict, b: int) -> None:
-    """Along row b's accepted path: at each depth, how many children the parent had and which of them
-    (by rank: the drafter's order) the target took, -1 when none. Feeds the serving-advice model."""
-    parents = tree.parents[b].tolist()
+    """Along row b's accepted path, at each expanded node: how many of the drafter's top tokens it
+    ranked, and where among them the target's next token was (-1: not among them). Ranks come from
+    the drafter's whole top-k at the node, not from the children the tree kept: a tree keeps fewer
+    children under a confident parent, so kept-children ranks would measure wide tops only where the
+    drafter was unsure. Feeds the serving-advice model."""
+    if tree.child_ranked is None:
+        return
     path = [n for n in verdict.accept_nodes[b].tolist() if n >= 0]
-    for d in range(1, len(path) + 1):
-        children = [i for i, p in enumerate(parents) if p == path[d - 1]]
-        if not children:
+    following = verdict.tokens[b].tolist()  # the target's token after each path node
+    for d, parent in enumerate(path, start=1):
+        ranked = [t for t in tree.child_ranked[b, parent].tolist() if t >= 0]
+        if not ranked:
             break
-        stats.hits.append((d, len(children), children.index(path[d]) if d < len(path) else -1))
+        token = following[d - 1]
+        stats.hits.append((d, len(ranked), ranked.index(token) if token in ranked else -1))
 
 
 @torch.inference_mode()

@@ -60,6 +60,9 @@ class Tree:
     scores: Tensor  # [B, N] cumulative draft log-probability, root 0
     child_probs: Tensor | None = None  # [B, N, V] draft q that node i's children were drawn from; 0 if unexpanded
     sampled: bool = False  # children were drawn from child_probs (not taken top-k): see verify.verify_rejection
+    # [B, N, W] the drafter's top-W tokens at node i, best first, whether kept as children or not; -1 where
+    # node i was not expanded. The serving advice measures the drafter's coverage from it.
+    child_ranked: Tensor | None = None
 
     def __post_init__(self) -> None:
         B, N = self.tokens.shape
@@ -171,6 +174,8 @@ def static_tree(
     zeros_B1 = torch.zeros((B, 1), dtype=torch.long, device=device)
     tokens, parents, depths, scores = [root_tokens_B[:, None]], [zeros_B1 - 1], [zeros_B1], [zeros_B1.float()]
     probs = [root_logprobs_BV.float().softmax(-1)[:, None]] if keep_probs else []
+    width = max(branching)
+    ranked = [root_logprobs_BV.topk(width, dim=-1).indices[:, None]]
 
     logprobs_BKV = root_logprobs_BV[:, None, :]
     frontier_scores_BK = torch.zeros((B, 1), device=device)
@@ -191,16 +196,21 @@ def static_tree(
         step_parent_BF = frontier_parent_BF if depth > 1 else torch.full_like(frontier_parent_BF, -1)
         logprobs_BKV = step_fn(frontier_tokens_BF, step_parent_BF, depth)
         _check_step_output(logprobs_BKV, frontier_tokens_BF, V, depth)
+        ranked.append(logprobs_BKV.topk(width, dim=-1).indices)
         if keep_probs:
             probs.append(logprobs_BKV.float().softmax(-1))
 
     tree_tokens = torch.cat(tokens, 1)
+    child_ranked = torch.full((*tree_tokens.shape, width), -1, dtype=torch.long, device=device)
+    expanded_ranked = torch.cat(ranked, 1)
+    child_ranked[:, : expanded_ranked.shape[1]] = expanded_ranked
     child_probs = None
     if keep_probs:
         child_probs = torch.zeros((*tree_tokens.shape, V), device=device)
         expanded = torch.cat(probs, 1)
         child_probs[:, : expanded.shape[1]] = expanded
-    return Tree(tree_tokens, torch.cat(parents, 1), torch.cat(depths, 1), torch.cat(scores, 1), child_probs, sample)
+    return Tree(tree_tokens, torch.cat(parents, 1), torch.cat(depths, 1), torch.cat(scores, 1), child_probs, sample,
+                child_ranked)
 
 
 def chain_tree(
@@ -252,14 +262,15 @@ def grow_dynamic_tree(
     cand_tokens, cand_scores = [frontier_tokens_BK], [frontier_scores_BK]
     cand_parent_ids = [torch.full_like(frontier_ids_BK, -1)]
     cand_depths = [torch.ones_like(frontier_tokens_BK)]
-    expanded_ids, expanded_probs = [], []
+    expanded_ids, expanded_probs, expanded_ranked = [], [], []
     for frontier_depth in range(1, depth):
         logprobs_BKV = step_fn(frontier_tokens_BK, frontier_parent_BK, frontier_depth)
         _check_step_output(logprobs_BKV, frontier_tokens_BK, V, frontier_depth)
+        expanded_ids.append(frontier_ids_BK)
         if keep_probs:
-            expanded_ids.append(frontier_ids_BK)
             expanded_probs.append(logprobs_BKV.float().softmax(-1))
         child_tokens_BKC, child_logprobs_BKC = _pick_children(logprobs_BKV, topk, None, sample=False)
+        expanded_ranked.append(child_tokens_BKC)
         child_scores_BX = (frontier_scores_BK[:, :, None] + child_logprobs_BKC).flatten(1)  # X = K * K
         child_tokens_BX = child_tokens_BKC.flatten(1)
         first_id = topk + (frontier_depth - 1) * topk * topk
@@ -287,18 +298,21 @@ def grow_dynamic_tree(
     parents = torch.cat([zeros_B1 - 1, parent_nodes_BM], 1)
     depths = torch.cat([zeros_B1, torch.cat(cand_depths, 1).gather(1, kept_BM)], 1)
     scores = torch.cat([zeros_B1.float(), all_scores_BX.gather(1, kept_BM)], 1)
+    child_ranked = torch.full((B, num_nodes + 1, topk), -1, dtype=torch.long, device=device)
+    child_ranked[:, 0] = tokens_B1K[:, 0]
     child_probs = None
     if keep_probs:
         child_probs = torch.zeros((B, num_nodes + 1, V), device=device)
         child_probs[:, 0] = root_probs_BV
-        if expanded_ids:
-            nodes_BE = node_of_BX.gather(1, torch.cat(expanded_ids, 1))  # E = expanded candidates
-            probs_BEV = torch.cat(expanded_probs, 1)
-            kept_BE = nodes_BE >= 0
-            rows_BE = torch.arange(B, device=device)[:, None].expand_as(nodes_BE)
-            child_probs[rows_BE[kept_BE], nodes_BE[kept_BE]] = probs_BEV[kept_BE]
+    if expanded_ids:
+        nodes_BE = node_of_BX.gather(1, torch.cat(expanded_ids, 1))  # E = expanded candidates
+        kept_BE = nodes_BE >= 0
+        rows_BE = torch.arange(B, device=device)[:, None].expand_as(nodes_BE)
+        child_ranked[rows_BE[kept_BE], nodes_BE[kept_BE]] = torch.cat(expanded_ranked, 1)[kept_BE]
+        if keep_probs:
+            child_probs[rows_BE[kept_BE], nodes_BE[kept_BE]] = torch.cat(expanded_probs, 1)[kept_BE]
     log.debug("dynamic tree: %d rows, %d nodes, depth %d", B, num_nodes + 1, int(depths.max()))
-    return Tree(tokens, parents, depths, scores, child_probs)
+    return Tree(tokens, parents, depths, scores, child_probs, child_ranked=child_ranked)
 
 
 def random_tree(
