@@ -88,11 +88,13 @@ def test_advice_speedup_falls_as_batch_grows():
     fixed = [expected_speedup(3.0, 6, 8, 60, b, target, head, cfg) for b in cfg.batch_sizes]
     # flat while memory-bound (within 1%: fixed drafting costs thin out as KV reads grow), then falling
     assert all(a >= 0.99 * b for a, b in zip(fixed, fixed[1:])) and fixed[0] > 1.5 > 1.0 > fixed[-1]
-    evaluated = {"depth": 6, "topk": 4, "num_draft_tokens": 48, "tau": 3.4}
+    evaluated = [{"drafter": "head tree", "depth": 6, "topk": 4, "num_draft_tokens": 48, "tau": 3.4},
+                 {"drafter": "chain", "depth": 6, "topk": 1, "num_draft_tokens": 6, "tau": 2.9}]
     advice = advise(table, target, head, cfg, "eagle3", {"sglang": "/run/export/sglang", "vllm": "/run/export/vllm"},
                     evaluated)
-    expected = pytest.approx(expected_tau(table, 6, 4, 48), abs=1e-3)
-    assert advice["model_check"] == {**evaluated, "expected_tau": expected}
+    expected = [pytest.approx(expected_tau(table, 6, 4, 48), abs=1e-3), pytest.approx(expected_tau(table, 6, 1, 6),
+                                                                                       abs=1e-3)]
+    assert advice["model_check"] == [{**e, "expected_tau": x} for e, x in zip(evaluated, expected)]
     best = [r["expected_speedup"] for r in advice["per_batch"]]
     assert all(a >= 0.99 * b for a, b in zip(best, best[1:])) and best[-1] < 0.8 * best[0]
     small, large = advice["per_batch"][0], advice["per_batch"][-1]
@@ -107,7 +109,7 @@ def test_advice_weighs_every_top_k_the_evaluation_measured():
     # coverage that keeps rising up to width 16 (a top-k 16 evaluation tree): at batch 1 the widest tree wins
     table = [[min(0.3 + 0.03 * w, 0.9) for w in range(1, 17)]] * 4
     target, head = llama8b_like()
-    evaluated = {"depth": 4, "topk": 16, "num_draft_tokens": 60, "tau": 2.0}
+    evaluated = [{"drafter": "head tree", "depth": 4, "topk": 16, "num_draft_tokens": 60, "tau": 2.0}]
     advice = advise(table, target, head, AdviceConfig(), "eagle3", {"sglang": "s", "vllm": "v"}, evaluated)
     assert advice["per_batch"][0]["topk"] == 16
     narrow = advise([row[:8] for row in table], target, head, AdviceConfig(), "eagle3", {"sglang": "s", "vllm": "v"},
@@ -167,7 +169,9 @@ def test_acceptance_cli_writes_the_report_contract(smoke_head, tmp_path):
     assert {"prompt_lookup", "chain"} == set(report["baselines"])
     assert all(b["lossless_mismatches"] == 0 for b in report["baselines"].values())
     assert len(report["serving_advice"]["per_batch"]) == len(AdviceConfig().batch_sizes)
-    assert report["serving_advice"]["model_check"]["tau"] == round(report["tau"], 3)
+    tree_check, chain_check = report["serving_advice"]["model_check"]
+    assert tree_check["tau"] == round(report["tau"], 3) and tree_check["num_draft_tokens"] == 12
+    assert chain_check["tau"] == round(report["baselines"]["chain"]["tau"], 3) and chain_check["topk"] == 1
     rows = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
     second = next(r for r in rows if r["turn"] == 1)
     first = next(r for r in rows if r["turn"] == 0 and r["item"] == second["item"])
@@ -176,7 +180,7 @@ def test_acceptance_cli_writes_the_report_contract(smoke_head, tmp_path):
     assert (out / "acceptance.png").stat().st_size > 0
     summary = (out / "summary.md").read_text()
     assert "## Serving advice" in summary and "| 256 |" in summary and "prompt_lookup" in summary
-    assert "Model check: the evaluated tree" in summary
+    assert "Model check: the head tree (depth 3, top-k 4, 12" in summary and "Model check: the chain (depth 3" in summary
 
 
 def test_acceptance_cli_names_a_missing_head(tmp_path):

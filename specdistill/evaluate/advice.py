@@ -133,12 +133,12 @@ def vllm_flags(kind: str, head_path: str, steps: int) -> str:
 
 
 def advise(table: list[list[float]], target: ModelCost, head: ModelCost, cfg: AdviceConfig, kind: str,
-           serve_dirs: dict[str, str], evaluated: dict) -> dict:
+           serve_dirs: dict[str, str], evaluated: list[dict]) -> dict:
     """The best tree (SGLang) and the best chain (vLLM) per batch size, with expected tau and speedup, as
     flags naming the head directory each engine loads (`serve_dirs["sglang"]`, `serve_dirs["vllm"]`).
-    Where nothing beats plain decoding the advice is to serve without speculation. `evaluated` (the
-    evaluated tree's depth, topk, num_draft_tokens and measured tau) checks the model against the
-    measurement it came from: `model_check`."""
+    Where nothing beats plain decoding the advice is to serve without speculation. `evaluated` (each
+    evaluated head shape: drafter, depth, topk, num_draft_tokens and measured tau) checks the model
+    against the measurements it came from: `model_check`."""
     grid = [(c, expected_tau(table, *c)) for c in candidates(max((len(row) for row in table), default=1))]
     per_batch = []
     for batch in cfg.batch_sizes:
@@ -157,8 +157,8 @@ def advise(table: list[list[float]], target: ModelCost, head: ModelCost, cfg: Ad
                          "launch_us": cfg.launch_us, "bytes_per_param": cfg.bytes_per_param},
             "context_len": cfg.context_len, "target": asdict(target), "head": asdict(head),
             "coverage": [[round(c, 4) for c in row] for row in table], "per_batch": per_batch,
-            "model_check": {**evaluated, "expected_tau": round(expected_tau(
-                table, evaluated["depth"], evaluated["topk"], evaluated["num_draft_tokens"]), 3)}}
+            "model_check": [{**e, "expected_tau": round(expected_tau(table, e["depth"], e["topk"],
+                                                                     e["num_draft_tokens"]), 3)} for e in evaluated]}
 
 
 def advice_markdown(advice: dict) -> str:
@@ -171,10 +171,12 @@ def advice_markdown(advice: dict) -> str:
         lines.append(f"| {r['batch_size']} | {r['steps']} | {r['topk']} | {r['num_draft_tokens']} | "
                      f"{r['expected_tau']:.2f} | {r['expected_speedup']:.2f}x | {r['vllm_steps']} | "
                      f"{r['vllm_expected_speedup']:.2f}x |")
-    check = advice["model_check"]
-    lines += ["", f"Model check: the evaluated tree (depth {check['depth']}, top-k {check['topk']}, "
-              f"{check['num_draft_tokens']} draft tokens) measured tau {check['tau']:.2f}; the model expects "
-              f"{check['expected_tau']:.2f} for it.", ""]
+    lines.append("")
+    for check in advice["model_check"]:
+        lines.append(f"Model check: the {check['drafter']} (depth {check['depth']}, top-k {check['topk']}, "
+                     f"{check['num_draft_tokens']} draft tokens) measured tau {check['tau']:.2f}; the model "
+                     f"expects {check['expected_tau']:.2f} for it.")
+    lines.append("")
     for r in advice["per_batch"]:
         lines += [f"- batch {r['batch_size']}:", f"  - SGLang: `{r['sglang']}`", f"  - vLLM: `{r['vllm']}`"]
     return "\n".join(lines) + "\n"
