@@ -158,7 +158,6 @@ def test_acceptance_cli_writes_the_report_contract(smoke_head, tmp_path):
     report = json.loads((out / "report.json").read_text())
     printed = proc.stdout.split("(baselines: ")[1].split(")")[0].split(", ")  # only the baselines that ran
     assert sorted(printed) == sorted(f"{name} {b['tau']:.2f}" for name, b in report["baselines"].items())
-    assert report["baselines"].keys() == {"prompt_lookup", "chain"}
     assert REPORT_KEYS <= report.keys()
     assert report["lossless_mismatches"] == 0 and report["num_prompts"] == 4
     assert report["tau"] >= 1.0 and len(report["accept_per_depth"]) == 3

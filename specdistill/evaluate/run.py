@@ -66,11 +66,12 @@ def tree_shape(ev: EvalConfig) -> dict:
     return {"depth": ev.tree.depth, "topk": ev.tree.topk, "num_draft_tokens": ev.tree.num_draft_tokens}
 
 
-def evaluated_shapes(report: dict, ev: EvalConfig) -> list[dict]:
+def evaluated_shapes(report: dict, tallies: dict[str, Tally]) -> list[dict]:
     """The head shapes this evaluation measured, with their tau: what the serving advice checks itself on."""
     shapes = [{"drafter": MAIN, **report["tree"], "tau": round(report["tau"], 3)}]
-    if "chain" in report["baselines"]:  # drafted `eval.tree.depth` deep (see `drafters`)
-        shapes.append({"drafter": "chain", "depth": ev.tree.depth, "topk": 1, "num_draft_tokens": ev.tree.depth,
+    if "chain" in tallies:
+        depth = tallies["chain"].depth
+        shapes.append({"drafter": "chain", "depth": depth, "topk": 1, "num_draft_tokens": depth,
                        "tau": round(report["baselines"]["chain"]["tau"], 3)})
     return shapes
 
@@ -206,7 +207,7 @@ def evaluate(cfg: RunConfig, target: Target, head, out_dir: Path, head_path: str
     report["serving_advice"] = advise(table, target_cost(target.model, ev.advice), head_cost(head, ev.advice),
                                       ev.advice, head.config.kind,
                                       serve_dirs or dict.fromkeys(("sglang", "vllm"), head_path or "<head dir>"),
-                                      evaluated_shapes(report, ev))
+                                      evaluated_shapes(report, tallies))
     write_report(report, rows, out_dir, cfg.wandb)
     return report
 
