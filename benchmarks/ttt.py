@@ -1,10 +1,12 @@
-"""One TTT training step (k = 7, SmolLM2-sized EAGLE-3 head, seq 1024): tokens/s and peak memory of
-specdistill's unroll against a straightforward version of the anchors' algorithm written here.
+"""One TTT training step (k = 7, SmolLM2-sized EAGLE-3 head, seq 1024, the first 45% of it a prompt as in
+the default data): tokens/s and peak memory of specdistill's unroll against a straightforward version of
+the anchors' algorithm written here.
 
 Baseline ("naive"): teacher logits materialised over the full target vocabulary ([T, 49152] fp32, then
 softmax / log_softmax over it), and per step the full [T, T] step-0 score matrix concatenated with the
 diagonal terms of later steps, soft cross-entropy through autograd's log_softmax.
-Ours: `Teacher.from_last` (vocabulary chunks, draft vocab only), `unroll_ttt` with the fused CPU TTT
+Ours: `Teacher.from_last` (vocabulary chunks, draft vocab only, only the rows the loss reads: not the
+prompt's), `unroll_ttt` with the fused CPU TTT
 attention and the soft cross-entropy that keeps no [T, V] copies; fp32, and optionally bf16 autocast.
 
 Method: each variant runs in its own subprocess (so peaks do not mix): build the head and inputs, note
@@ -12,7 +14,7 @@ the resident set size (RSS, /proc/self/statm), run one step (teacher + forward +
 peak RSS (getrusage ru_maxrss); peak memory = peak - RSS before the step. Then `--repeats` more steps
 are timed (best of) for tokens/s. Same config, same seed, same run.
 
-    python benchmarks/ttt.py [--seq 1024] [--repeats 2]
+    python benchmarks/ttt.py [--seq 1024] [--repeats 2] [--prompt-share 0.45]
 Ends with: RESULT speedup=<ours/naive tokens/s> memory_ratio=<ours/naive peak> (fp32), and the
 same for bf16 autocast.
 """
@@ -33,13 +35,13 @@ from specdistill.heads.eagle3 import Eagle3Config, Eagle3Head
 from specdistill.heads.layers import HeadArch
 from specdistill.train.loss import LOSSES
 from specdistill.train.teacher import Teacher
-from specdistill.train.ttt import TTTBatch, unroll_ttt
+from specdistill.train.ttt import TTTBatch, teacher_rows, unroll_ttt
 
 STEPS, TARGET_VOCAB, DRAFT_VOCAB, TARGET_HIDDEN = 7, 49152, 8192, 576
 ARCH = HeadArch(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
 
 
-def build(seq: int):
+def build(seq: int, prompt_share: float):
     torch.manual_seed(0)
     head = Eagle3Head(Eagle3Config(arch=ARCH, vocab_size=TARGET_VOCAB, draft_vocab_size=DRAFT_VOCAB,
                                    target_hidden_size=TARGET_HIDDEN, aux_layer_ids=[1, 14, 26], target_num_layers=30))
@@ -51,7 +53,8 @@ def build(seq: int):
     head.t2d[draft_ids] = True
     lm_head_W = torch.randn(TARGET_VOCAB, TARGET_HIDDEN) * 0.05
     norm = torch.nn.RMSNorm(TARGET_HIDDEN, eps=1e-5)
-    batch = TTTBatch(torch.randint(0, TARGET_VOCAB, (1, seq)), torch.ones(1, seq, dtype=torch.long),
+    loss_mask = (torch.arange(seq) >= int(prompt_share * seq)).long()[None]
+    batch = TTTBatch(torch.randint(0, TARGET_VOCAB, (1, seq)), loss_mask,
                      torch.ones(1, seq, dtype=torch.bool), torch.randn(1, seq, 3 * TARGET_HIDDEN),
                      torch.randn(1, seq, TARGET_HIDDEN))
     return head, lm_head_W, norm, draft_ids, batch
@@ -76,7 +79,7 @@ def naive_attention(q, keys, values):
 def naive_step(head, lm_head_W, norm, draft_ids, batch) -> torch.Tensor:
     ids = batch.input_ids_BT
     B, T = ids.shape
-    with torch.no_grad():
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):  # fp32, as the trainer's teacher
         target_logits = norm(batch.last_BTH) @ lm_head_W.T  # [B, T, 49152] fp32, materialised
         target_p = torch.softmax(target_logits, -1)
         target_argmax = target_logits.argmax(-1)
@@ -110,7 +113,8 @@ def naive_step(head, lm_head_W, norm, draft_ids, batch) -> torch.Tensor:
 
 
 def ours_step(head, lm_head_W, norm, draft_ids, batch, teacher: Teacher) -> torch.Tensor:
-    targets = teacher.from_last(batch.last_BTH)
+    with torch.autocast("cpu", enabled=False):  # the trainer computes the teacher outside autocast
+        targets = teacher.from_last(batch.last_BTH, teacher_rows(batch))
     return unroll_ttt(head, batch, targets, STEPS, 0.8, LOSSES["forward_kl"]).loss
 
 
@@ -122,8 +126,8 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def measure(variant: str, seq: int, repeats: int) -> dict:
-    head, lm_head_W, norm, draft_ids, batch = build(seq)
+def measure(variant: str, seq: int, repeats: int, prompt_share: float) -> dict:
+    head, lm_head_W, norm, draft_ids, batch = build(seq, prompt_share)
     teacher = Teacher(norm, lm_head_W, head.d2t, head.t2d)
     bf16 = variant.endswith("bf16")
 
@@ -151,15 +155,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--prompt-share", type=float, default=0.45,
+                        help="share of the sequence that is prompt (no loss); the default data: 0.45")
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # internal: run one variant and print JSON
     args = parser.parse_args()
     if args.variant:
-        print(json.dumps(measure(args.variant, args.seq, args.repeats)))
+        print(json.dumps(measure(args.variant, args.seq, args.repeats, args.prompt_share)))
         return
     results = {}
     for variant in ("naive", "ours", "naive-bf16", "ours-bf16"):
         out = subprocess.run([sys.executable, __file__, "--variant", variant, "--seq", str(args.seq),
-                              "--repeats", str(args.repeats)], capture_output=True, text=True, check=True)
+                              "--repeats", str(args.repeats), "--prompt-share", str(args.prompt_share)],
+                             capture_output=True, text=True, check=True)
         r = results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"{variant:11s} loss {r['loss']:.4f}  {r['tokens_per_s']:8.1f} tokens/s  "
               f"peak +{r['peak_bytes'] / 2**20:7.0f} MiB", flush=True)

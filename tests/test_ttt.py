@@ -8,8 +8,8 @@ from specdistill.heads.layers import HeadArch, ttt_attention
 from specdistill.heads.mtp import MTPConfig, MTPHead
 from specdistill.spec.decode import Drafter
 from specdistill.train.loss import LOSSES
-from specdistill.train.teacher import TeacherTargets
-from specdistill.train.ttt import TTTBatch, causal_mask, trained_window, unroll_ttt
+from specdistill.train.teacher import Teacher, TeacherTargets
+from specdistill.train.ttt import TTTBatch, causal_mask, teacher_rows, trained_window, unroll_ttt
 
 HEAD_KINDS = ["eagle3", "mtp", "mtp3"]
 
@@ -180,3 +180,34 @@ def test_mtp_modules_shapes_and_separate_weights_per_step():
     r = unroll_ttt(head, batch, teacher, steps=3, step_weight=0.8, loss_fn=LOSSES["forward_kl"])
     r.loss.backward()
     assert all(m.eh_proj.weight.grad is not None and m.eh_proj.weight.grad.abs().sum() > 0 for m in head.mtp)
+
+
+def test_teacher_on_the_read_rows_only_changes_nothing_the_unroll_sees():
+    """The teacher skips the prompt rows (`teacher_rows`): loss, metrics and gradients stay the same."""
+    torch.manual_seed(0)
+    head = tiny_head("eagle3", hidden=16)
+    B, T, vocab = 2, 14, head.config.vocab_size
+    batch = random_batch(B, T, head)
+    batch.loss_mask_BT[:, :5] = 0  # a prompt
+    batch.loss_mask_BT[1, 9:] = 0
+    batch.valid_BT[1, 11:] = False  # padding
+    teacher = Teacher(torch.nn.RMSNorm(16), torch.randn(vocab, 16), head.d2t, head.t2d, chunk=40)
+    rows = teacher_rows(batch)
+    assert rows[:, :4].sum() == 0 and rows[0, 4:13].all() and not rows[:, -1].any()
+    full, picked = teacher.from_last(batch.last_BTH), teacher.from_last(batch.last_BTH, rows)
+    logits = torch.nn.functional.linear(torch.nn.RMSNorm(16)(batch.last_BTH), teacher.lm_head_weight)
+    assert torch.equal(full.argmax_BT, logits.argmax(-1))  # chunked argmax over the whole vocabulary
+    for name in ("logp_BTV", "p_full_BTV", "argmax_BT", "covered_BT"):
+        torch.testing.assert_close(getattr(picked, name)[rows], getattr(full, name)[rows])
+    results = []
+    for targets in (full, picked):
+        head.zero_grad()
+        r = unroll_ttt(head, batch, targets, steps=3, step_weight=0.8, loss_fn=LOSSES["forward_kl"])
+        r.loss.backward()
+        results.append((r, [p.grad.clone() for p in head.parameters() if p.requires_grad]))
+    (a, grads_a), (b, grads_b) = results
+    torch.testing.assert_close(a.loss, b.loss)
+    for x, y in [(a.step_loss, b.step_loss), (a.step_acc, b.step_acc), (a.step_accept, b.step_accept)]:
+        torch.testing.assert_close(x, y)
+    for ga, gb in zip(grads_a, grads_b):
+        torch.testing.assert_close(ga, gb)

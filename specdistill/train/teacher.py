@@ -8,6 +8,7 @@ Shapes: B batch, T tokens, H target hidden, V draft vocab, K top-k.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -33,9 +34,24 @@ class Teacher:
         self.chunk = chunk
 
     @torch.no_grad()
-    def from_last(self, last_BTH: torch.Tensor) -> TeacherTargets:
+    def from_last(self, last_BTH: torch.Tensor, needed_BT: torch.Tensor | None = None) -> TeacherTargets:
+        """`needed_BT` (bool) limits the vocabulary matmul to the rows the loss reads: on chat data the prompt
+        rows, nearly half, are never trained. The other rows get a uniform target, zero probability and no
+        coverage, so they count as misses wherever they are read."""
+        if needed_BT is None:
+            return self._targets(last_BTH)
+        picked = self._targets(last_BTH[needed_BT])
+        V = len(self.draft_ids)
+        logp = torch.full((*needed_BT.shape, V), -math.log(V), dtype=torch.float32, device=last_BTH.device)
+        p_full = torch.zeros_like(logp)
+        argmax = torch.zeros(needed_BT.shape, dtype=torch.long, device=last_BTH.device)
+        logp[needed_BT], p_full[needed_BT], argmax[needed_BT] = picked.logp_BTV, picked.p_full_BTV, picked.argmax_BT
+        return TeacherTargets(logp, p_full, argmax, self.t2d[argmax] & needed_BT)
+
+    def _targets(self, last_H: torch.Tensor) -> TeacherTargets:
+        """TeacherTargets for every row of `last_H` ([..., H])."""
         w = self.lm_head_weight
-        h = self.final_norm(last_BTH.to(w.dtype))
+        h = self.final_norm(last_H.to(w.dtype))
         lse = torch.full(h.shape[:-1], float("-inf"), dtype=torch.float32, device=h.device)
         best = torch.full_like(lse, float("-inf"))
         argmax = torch.zeros(h.shape[:-1], dtype=torch.long, device=h.device)

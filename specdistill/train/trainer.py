@@ -39,7 +39,7 @@ from specdistill.train.data import PLANS, OnlineSource, StoreSource, collate
 from specdistill.train.loss import LOSSES
 from specdistill.train.schedule import warmup_cosine
 from specdistill.train.teacher import Teacher
-from specdistill.train.ttt import TTTBatch, TTTResult, unroll_ttt
+from specdistill.train.ttt import TTTBatch, TTTResult, teacher_rows, unroll_ttt
 
 log = logging.getLogger(__name__)
 DEEPSPEED_DIR = Path(__file__).resolve().parents[2] / "conf" / "deepspeed"
@@ -275,7 +275,7 @@ class Trainer:
     def teacher_targets(self, batch: TTTBatch, extra: dict):
         if "topk_ids" in extra:
             return self.teacher.from_topk(extra["topk_logprobs"], extra["topk_ids"])
-        return self.teacher.from_last(batch.last_BTH)
+        return self.teacher.from_last(batch.last_BTH, teacher_rows(batch))
 
     def load_batch(self, rows: list[list[int]]):
         flat = [i for row in rows for i in row]

@@ -72,6 +72,14 @@ def trained_window(marked_BT: torch.Tensor) -> tuple[int, int]:
     return (int(columns[0]), int(columns[-1]) + 1) if len(columns) else (0, 1)
 
 
+def teacher_rows(batch: TTTBatch) -> torch.Tensor:
+    """[B, T] bool: the teacher rows `unroll_ttt` reads. Step j at position t learns x[t+2+j] from the
+    teacher's row t+1+j, and only where that token is a loss token: row r is read only if x[r+1] is one."""
+    rows_BT = torch.zeros_like(batch.valid_BT)
+    rows_BT[:, :-1] = batch.loss_mask_BT[:, 1:] > 0
+    return rows_BT
+
+
 def unroll_ttt(head, batch: TTTBatch, teacher: TeacherTargets, steps: int, step_weight: float,
                loss_fn: Callable) -> TTTResult:
     ids = batch.input_ids_BT
