@@ -194,7 +194,7 @@ def test_teacher_on_the_read_rows_only_changes_nothing_the_unroll_sees():
     teacher = Teacher(torch.nn.RMSNorm(16), torch.randn(vocab, 16), head.d2t, head.t2d, chunk=40)
     rows = teacher_rows(batch)
     assert rows[:, :4].sum() == 0 and rows[0, 4:13].all() and not rows[:, -1].any()
-    full, picked = teacher.from_last(batch.last_BTH), teacher.from_last(batch.last_BTH, rows)
+    full, picked = teacher.from_last(batch.last_BTH, torch.ones_like(rows)), teacher.from_last(batch.last_BTH, rows)
     logits = torch.nn.functional.linear(torch.nn.RMSNorm(16)(batch.last_BTH), teacher.lm_head_weight)
     assert torch.equal(full.argmax_BT, logits.argmax(-1))  # chunked argmax over the whole vocabulary
     for name in ("logp_BTV", "p_full_BTV", "argmax_BT", "covered_BT"):

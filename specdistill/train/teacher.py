@@ -34,12 +34,10 @@ class Teacher:
         self.chunk = chunk
 
     @torch.no_grad()
-    def from_last(self, last_BTH: torch.Tensor, needed_BT: torch.Tensor | None = None) -> TeacherTargets:
-        """`needed_BT` (bool) limits the vocabulary matmul to the rows the loss reads: on chat data the prompt
-        rows, nearly half, are never trained. The other rows get a uniform target, zero probability and no
-        coverage, so they count as misses wherever they are read."""
-        if needed_BT is None:
-            return self._targets(last_BTH)
+    def from_last(self, last_BTH: torch.Tensor, needed_BT: torch.Tensor) -> TeacherTargets:
+        """`needed_BT` (bool, `ttt.teacher_rows`) limits the vocabulary matmul to the rows the loss reads: on
+        chat data the prompt rows, nearly half, are never trained. The other rows get a uniform target, zero
+        probability and no coverage, so they count as misses wherever they are read."""
         picked = self._targets(last_BTH[needed_BT])
         V = len(self.draft_ids)
         logp = torch.full((*needed_BT.shape, V), -math.log(V), dtype=torch.float32, device=last_BTH.device)
