@@ -32,6 +32,7 @@ from specdistill.config import ConfigError, RunConfig
 from specdistill.data.vocab import DraftVocab
 from specdistill.distributed import rank_and_world
 from specdistill.heads import build_head, head_from_state, save_head
+from specdistill.heads.copy_init import init_copy_attention
 from specdistill.io import atomic_dir, save_tensors, write_json
 from specdistill.pipeline import redacted
 from specdistill.target import Target, TargetRunner
@@ -43,6 +44,7 @@ from specdistill.train.ttt import TTTBatch, TTTResult, teacher_rows, unroll_ttt
 
 log = logging.getLogger(__name__)
 DEEPSPEED_DIR = Path(__file__).resolve().parents[2] / "conf" / "deepspeed"
+COPY_INIT_SAMPLES = 40  # training samples the copy heads' token read-out is fitted on
 
 
 class TTTModel(nn.Module):
@@ -178,6 +180,9 @@ class Trainer:
                                self.head.d2t.to(self.device), self.head.t2d.to(self.device), cfg.train.vocab_chunk)
         self.train_ids, self.holdout_ids = self.split(len(self.source.lengths))
         self.train_lengths = {i: self.source.lengths[i] for i in self.train_ids}
+        if cfg.head.copy_init:
+            fit_r2 = init_copy_attention(self.head, self.source.samples(self.train_ids[:COPY_INIT_SAMPLES]))
+            log.info("copy heads initialised (token identity read from the features with R^2 %.2f)", fit_r2)
         self.batches_per_epoch = max(1, len(self.plan(self.train_lengths, cfg.train.batch_tokens, cfg.seed, 0)) // self.world)
         self.total_steps = cfg.train.max_steps or max(1, int(cfg.train.epochs * self.batches_per_epoch) // cfg.train.grad_accum)
         params = [p for p in self.head.parameters() if p.requires_grad]
