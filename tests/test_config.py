@@ -33,6 +33,7 @@ def test_default_is_the_embedded_target_with_all_stages():
     assert cfg.stages == ["prepare", "capture", "train", "evaluate", "export"]
     assert cfg.train.ttt_steps == 4 and cfg.train.step_weight == 0.8 and cfg.train.loss == "forward_kl"
     assert check_capture_layers(cfg.target, "") == (1, 14, 26)
+    assert cfg.head.copy_init and not compose_cfg("head=mtp").head.copy_init
     assert compose_cfg("+exp=llama8b").train.ttt_steps == 7  # EAGLE-3's unroll where deep drafts pay off
 
 
@@ -41,11 +42,12 @@ def test_default_is_the_embedded_target_with_all_stages():
     [("stages=[prepare,bogus]", "stages"), ("train.loss=l2", "train.loss"), ("eval.tree.depth=0", "eval.tree.depth"),
      ("data.source=jsonl", "data.path"), ("export.formats=[onnx]", "export.formats"),
      ("data.synth.document_prompts=[Summarize]", r"data.synth.document_prompts\[0\]"),
-     ("data.synth.document_share=1.0", "data.synth.document_share")],
+     ("data.synth.document_share=1.0", "data.synth.document_share"),
+     ("head=mtp head.copy_init=true", "head.copy_init")],
 )
 def test_config_errors_name_the_field(override, field):
     with pytest.raises(ConfigError, match=f"`{field}`"):
-        compose_cfg(override)
+        compose_cfg(*override.split())
 
 
 def test_capture_layers_are_checked_against_the_target():

@@ -19,6 +19,8 @@ its random start, and the random part of `fc` is scaled down so the decoded iden
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from specdistill.heads.eagle3 import Eagle3Head
@@ -33,11 +35,12 @@ CHUNK_ROWS = 8192
 
 
 def gram(rows_ND: torch.Tensor, other_NK: torch.Tensor | None = None) -> torch.Tensor:
-    """rows^T @ other (other = rows by default) in float64, a chunk of rows at a time: [D, K]."""
+    """rows^T @ other (other = rows by default) in float64 on the rows' device, a chunk of rows at a
+    time, summed on the CPU: [D, K]."""
     other_NK = rows_ND if other_NK is None else other_NK
     out = torch.zeros(rows_ND.shape[1], other_NK.shape[1], dtype=torch.float64)
     for i in range(0, len(rows_ND), CHUNK_ROWS):
-        out += rows_ND[i:i + CHUNK_ROWS].double().T @ other_NK[i:i + CHUNK_ROWS].double()
+        out += (rows_ND[i:i + CHUNK_ROWS].double().T @ other_NK[i:i + CHUNK_ROWS].double()).cpu()
     return out
 
 
@@ -64,16 +67,17 @@ def readout_map(normed_VD: torch.Tensor, head: Eagle3Head) -> torch.Tensor:
     return ridge_solve(gram(inputs_ND), gram(inputs_ND, rows_ND) @ whitening)
 
 
-def token_readout(samples: list[dict[str, torch.Tensor]], normed_VD, coords_DM) -> tuple[torch.Tensor, float]:
+def token_readout(samples: Iterable[dict[str, torch.Tensor]], normed_VD, coords_DM) -> tuple[torch.Tensor, float]:
     """[A, M] least-squares map from the captured features at a position to the coordinates of its
     token's normalised embedding, and the fit's R^2; accumulated a sample at a time."""
-    A, M = samples[0]["aux"].shape[1], coords_DM.shape[1]
-    gram_AA, cross_AM = torch.zeros(A, A, dtype=torch.float64), torch.zeros(A, M, dtype=torch.float64)
+    M = coords_DM.shape[1]
+    gram_AA = cross_AM = 0
     sum_M, sq_M, n = torch.zeros(M, dtype=torch.float64), torch.zeros(M, dtype=torch.float64), 0
     for s in samples:
-        wanted_TM = normed_VD[s["input_ids"].long()].double() @ coords_DM
-        gram_AA += gram(s["aux"])
-        cross_AM += gram(s["aux"], wanted_TM)
+        wanted_TM = normed_VD[s["input_ids"].long().cpu()].double() @ coords_DM
+        aux_TA = s["aux"]
+        gram_AA = gram_AA + gram(aux_TA)
+        cross_AM = cross_AM + gram(aux_TA, wanted_TM.to(aux_TA.device))
         sum_M, sq_M, n = sum_M + wanted_TM.sum(0), sq_M + wanted_TM.pow(2).sum(0), n + len(wanted_TM)
     readout_AM = ridge_solve(gram_AA, cross_AM)
     residual = sq_M.sum() - 2 * (readout_AM * cross_AM).sum() + (readout_AM * (gram_AA @ readout_AM)).sum()
@@ -87,8 +91,9 @@ def low_rank(map_DD: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 @torch.no_grad()
-def init_copy_attention(head: Eagle3Head, samples: list[dict[str, torch.Tensor]]) -> float:
-    """Set the copy heads of `head` from `samples` (input_ids [T], aux [T, A]); returns the fit's R^2."""
+def init_copy_attention(head: Eagle3Head, samples: Iterable[dict[str, torch.Tensor]]) -> float:
+    """Set the copy heads of `head` (on the CPU) from `samples` (input_ids [T], aux [T, A] on any device,
+    read once); returns the R^2 of the token read-out."""
     if not isinstance(head, Eagle3Head) or head.embed_tokens.weight.requires_grad:
         raise ValueError("config field `head.copy_init`: needs an EAGLE-3 head as wide as the target (it "
                          "reads the target's embedding); set head.copy_init=false")

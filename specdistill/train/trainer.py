@@ -181,7 +181,8 @@ class Trainer:
         self.train_ids, self.holdout_ids = self.split(len(self.source.lengths))
         self.train_lengths = {i: self.source.lengths[i] for i in self.train_ids}
         if cfg.head.copy_init:
-            fit_r2 = init_copy_attention(self.head, self.source.samples(self.train_ids[:COPY_INIT_SAMPLES]))
+            one_at_a_time = (s for i in self.train_ids[:COPY_INIT_SAMPLES] for s in self.source.samples([i]))
+            fit_r2 = init_copy_attention(self.head, one_at_a_time)
             log.info("copy heads initialised (token identity read from the features with R^2 %.2f)", fit_r2)
         self.batches_per_epoch = max(1, len(self.plan(self.train_lengths, cfg.train.batch_tokens, cfg.seed, 0)) // self.world)
         self.total_steps = cfg.train.max_steps or max(1, int(cfg.train.epochs * self.batches_per_epoch) // cfg.train.grad_accum)
