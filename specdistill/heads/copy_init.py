@@ -35,10 +35,12 @@ CHUNK_ROWS = 8192  # rows per product in `gram`: bounded memory for a large voca
 def gram(rows_ND: torch.Tensor, other_NK: torch.Tensor | None = None) -> torch.Tensor:
     """rows^T @ other (other = rows by default) in float64 on the rows' device, a chunk of rows at a
     time, summed on the CPU: [D, K]."""
-    other_NK = rows_ND if other_NK is None else other_NK
-    out = torch.zeros(rows_ND.shape[1], other_NK.shape[1], dtype=torch.float64)
+    width = rows_ND.shape[1] if other_NK is None else other_NK.shape[1]
+    out = torch.zeros(rows_ND.shape[1], width, dtype=torch.float64)
     for i in range(0, len(rows_ND), CHUNK_ROWS):
-        out += (rows_ND[i:i + CHUNK_ROWS].double().T @ other_NK[i:i + CHUNK_ROWS].double()).cpu()
+        chunk = rows_ND[i:i + CHUNK_ROWS].double()
+        other = chunk if other_NK is None else other_NK[i:i + CHUNK_ROWS].double()
+        out += (chunk.T @ other).cpu()
     return out
 
 
@@ -50,7 +52,7 @@ def ridge_solve(gram_AA: torch.Tensor, cross_AB: torch.Tensor) -> torch.Tensor:
 
 def whitened_basis(normed_VD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Principal directions [D, D] of the normalised embedding rows, widest first, and their spreads [D]."""
-    mean_D = normed_VD.double().mean(0)
+    mean_D = normed_VD.mean(0, dtype=torch.float64)
     spread2, directions = torch.linalg.eigh(gram(normed_VD) / len(normed_VD) - torch.outer(mean_D, mean_D))
     return directions.flip(1), spread2.flip(0).clamp_min(0).sqrt()
 
