@@ -180,7 +180,7 @@ class Trainer:
                                self.head.d2t.to(self.device), self.head.t2d.to(self.device), cfg.train.vocab_chunk)
         self.train_ids, self.holdout_ids = self.split(len(self.source.lengths))
         self.train_lengths = {i: self.source.lengths[i] for i in self.train_ids}
-        if cfg.head.copy_init:
+        if cfg.head.copy_init and not self.checkpoints():  # a resumed run loads its weights instead
             one_at_a_time = (s for i in self.train_ids[:COPY_INIT_SAMPLES] for s in self.source.samples([i]))
             fit_r2 = init_copy_attention(self.head, one_at_a_time)
             log.info("copy heads initialised (token identity read from the features with R^2 %.2f)", fit_r2)
