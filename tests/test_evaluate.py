@@ -44,10 +44,10 @@ def test_copy_rounds_start_on_a_token_completing_a_3_gram_already_in_the_context
 
 def test_benchmarks_jsonl_hf_and_held_out(tmp_path):
     path = tmp_path / "b.jsonl"
-    rows = [{"turns": ["a", "b"]}, {"prompt": "c"}, {"messages": [{"role": "user", "content": "d"}]}]
+    rows = [{"turns": ["a", "b"], "category": "qa"}, {"prompt": "c"}, {"messages": [{"role": "user", "content": "d"}]}]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     assert load_items(str(path)) == [["a", "b"], ["c"], ["d"]]
-    assert load_prompts(str(path), 2, max_turns=1) == [["a"], ["c"]]
+    assert load_prompts(str(path), 2, max_turns=1) == ([["a"], ["c"]], ["qa", None])
     path.write_text(json.dumps({"question": "x"}) + "\n")
     with pytest.raises(ValueError, match=r"b.jsonl:1: expected"):
         load_items(str(path))
@@ -144,7 +144,8 @@ def test_in_loop_tau_on_held_out_prompts(smoke_head):
 def test_acceptance_cli_writes_the_report_contract(smoke_head, tmp_path):
     _, _, head_dir = smoke_head
     bench = tmp_path / "bench.jsonl"
-    bench.write_text("\n".join(json.dumps(r) for r in [{"turns": ["Hi there", "Say it again"]}, {"prompt": "2+2="},
+    bench.write_text("\n".join(json.dumps(r) for r in [{"turns": ["Hi there", "Say it again"], "category": "chat"},
+                                                       {"prompt": "2+2=", "category": "math"},
                                                        {"prompt": "Tell me a story"}]) + "\n")
     out = tmp_path / "out"
     proc = subprocess.run(
@@ -164,6 +165,10 @@ def test_acceptance_cli_writes_the_report_contract(smoke_head, tmp_path):
     for m in (report, *report["baselines"].values()):  # the split rounds add back up to tau
         share = m["copy_round_share"]
         assert m["tau"] == pytest.approx(share * m["tau_copy"] + (1 - share) * m["tau_elsewhere"])
+    for item, name in enumerate(["chat", "math"]):  # item 2 has no category: it counts only in the overall tau
+        rounds = [a for r in report_rows(out) if r["item"] == item for a in r["accepted_per_round"]]
+        assert report["tau_by_category"][name] == pytest.approx(metrics.tau(rounds))
+    assert all(set(m["tau_by_category"]) == {"chat", "math"} for m in (report, *report["baselines"].values()))
     assert report["tree"] == {"depth": 3, "topk": 4, "num_draft_tokens": 12}
     assert {"prompt_lookup", "chain"} == set(report["baselines"])
     assert all(b["lossless_mismatches"] == 0 for b in report["baselines"].values())
@@ -171,15 +176,20 @@ def test_acceptance_cli_writes_the_report_contract(smoke_head, tmp_path):
     tree_check, chain_check = report["serving_advice"]["model_check"]
     assert tree_check["tau"] == round(report["tau"], 3) and tree_check["num_draft_tokens"] == 12
     assert chain_check["tau"] == round(report["baselines"]["chain"]["tau"], 3) and chain_check["topk"] == 1
-    rows = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    rows = report_rows(out)
     second = next(r for r in rows if r["turn"] == 1)
     first = next(r for r in rows if r["turn"] == 0 and r["item"] == second["item"])
     assert len(second["prompt_ids"]) > len(first["prompt_ids"]) + 1  # the first answer is in the history
     assert all(r["output_ids"] == r["plain_output_ids"] for r in rows)
     assert (out / "acceptance.png").stat().st_size > 0
     summary = (out / "summary.md").read_text()
+    assert "| tau by category | chat | math |" in summary
     assert "## Serving advice" in summary and "| 256 |" in summary and "prompt_lookup" in summary
     assert "Model check: the head tree (depth 3, top-k 4, 12" in summary and "Model check: the chain (depth 3" in summary
+
+
+def report_rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
 
 
 def test_acceptance_cli_names_a_missing_head(tmp_path):

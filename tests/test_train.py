@@ -160,7 +160,7 @@ def test_in_loop_tau_never_runs_on_the_prompts_the_head_is_scored_on(monkeypatch
                         lambda head, target, prompts, cfg: seen.append(prompts) or {"tau": 1.0, "tau_copy": 1.0})
     cfg = compose_cfg(tmp_path / "loop", "train.eval_every=2", "eval.limit=16", "eval.loop_limit=4")
     load_tau_evaluator(cfg, target=None)(None)
-    scored = {turns[0] for turns in load_prompts("spec_bench", 16)}
+    scored = {turns[0] for turns in load_prompts("spec_bench", 16)[0]}
     assert len(seen[0]) == 4 and not scored & set(seen[0])
     bench = tmp_path / "three.jsonl"
     bench.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(3)))

@@ -57,17 +57,25 @@ def _hf_rows(spec: str) -> list[list[str]]:
     return [user_turns(v, f"{spec} row {i}") for i, v in enumerate(data[column])]
 
 
-def load_items(bench: str) -> list[list[str]]:
-    """Every item of a benchmark, each as its list of user turns."""
+def _load(bench: str) -> tuple[list[list[str]], list[str | None]]:
+    """Every item of a benchmark as its list of user turns, and its `category` (None where a row has none)."""
     if bench.startswith(HF_PREFIX):
-        return _hf_rows(bench)
+        items = _hf_rows(bench)
+        return items, [None] * len(items)
     path = PACKAGED.get(bench, Path(bench))
     if not path.exists():
         raise FileNotFoundError(
             f"benchmark {bench!r}: no such file; expected one of {list(PACKAGED)}, a jsonl path or "
             "hf:<name or dir>:<split>:<column>"
         )
-    return [user_turns(row, f"{path}:{i + 1}") for i, row in enumerate(read_jsonl(path))]
+    rows = list(read_jsonl(path))
+    items = [user_turns(row, f"{path}:{i + 1}") for i, row in enumerate(rows)]
+    return items, [row.get("category") if isinstance(row.get("category"), str) else None for row in rows]
+
+
+def load_items(bench: str) -> list[list[str]]:
+    """Every item of a benchmark, each as its list of user turns."""
+    return _load(bench)[0]
 
 
 def evaluated_indices(num_items: int, limit: int) -> list[int]:
@@ -75,10 +83,12 @@ def evaluated_indices(num_items: int, limit: int) -> list[int]:
     return list(range(0, num_items, stride))[:limit]
 
 
-def load_prompts(bench: str, limit: int, max_turns: int = 1) -> list[list[str]]:
-    """`limit` items spread evenly over the benchmark, each cut to its first `max_turns` turns."""
-    items = load_items(bench)
-    return [items[i][:max_turns] for i in evaluated_indices(len(items), limit)]
+def load_prompts(bench: str, limit: int, max_turns: int = 1) -> tuple[list[list[str]], list[str | None]]:
+    """`limit` items spread evenly over the benchmark, each cut to its first `max_turns` turns, and their
+    categories (Spec-Bench's task: writing, translation, summarization, ...; None where a row has none)."""
+    items, categories = _load(bench)
+    picked = evaluated_indices(len(items), limit)
+    return [items[i][:max_turns] for i in picked], [categories[i] for i in picked]
 
 
 def held_out_prompts(bench: str, limit: int, count: int) -> list[str]:

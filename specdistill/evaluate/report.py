@@ -37,6 +37,12 @@ def summary_markdown(r: dict) -> str:
                      f"| {m['target_forwards']} | {depths} |")
     lines += ["", f"Copy rounds ({r['copy_round_share']:.0%} of the head's rounds) start on a token that completes a "
               "3-gram already in the context: where copying from the context pays most."]
+    if r.get("tau_by_category"):
+        categories = list(r["tau_by_category"])
+        lines += ["", "Per benchmark category (the rows' `category` field): where a drafter wins and where it loses.", "",
+                  f"| tau by category | {' | '.join(categories)} |", "|---" * (len(categories) + 1) + "|"]
+        lines += [f"| {name} | " + " | ".join(f"{m['tau_by_category'][c]:.2f}" for c in categories) + " |"
+                  for name, m in methods(r).items()]
     text = "\n".join(lines) + "\n"
     return text + ("\n" + advice_markdown(r["serving_advice"]) if r.get("serving_advice") else "")
 
@@ -72,11 +78,12 @@ def log_wandb(report: dict, wandb: WandbConfig, out_dir: Path, name: str) -> Non
     run = wb.init(project=wandb.project, entity=wandb.entity, mode=wandb.mode, dir=str(out_dir), name=name,
                   job_type="eval", reinit="finish_previous")
     columns = ["drafter", "tau", "tau_copy", "tau_elsewhere", "speedup", "target_forwards", "new_tokens",
-               "accept_per_depth"]
+               "accept_per_depth", "tau_by_category"]
     table = wb.Table(columns=columns)
     for drafter, m in methods(report).items():
         table.add_data(drafter, m["tau"], m["tau_copy"], m["tau_elsewhere"], m["speedup"], m["target_forwards"],
-                       m["new_tokens"], str([round(a, 3) for a in m["accept_per_depth"]]))
+                       m["new_tokens"], str([round(a, 3) for a in m["accept_per_depth"]]),
+                       str({c: round(t, 3) for c, t in m["tau_by_category"].items()}))
     logged = {"eval/acceptance": table, "eval/tau": report["tau"], "eval/speedup": report["speedup"]}
     if report.get("serving_advice"):
         rows = report["serving_advice"]["per_batch"]

@@ -96,6 +96,7 @@ class Tally:
     depth: int
     accepted: list[int] = field(default_factory=list)
     copy_rounds: list[bool] = field(default_factory=list)  # per round: starts on a token copied from the context
+    categories: list[str | None] = field(default_factory=list)  # per round: its prompt's benchmark category
     hits: list[tuple[int, int, int]] = field(default_factory=list)
     new_tokens: int = 0
     target_forwards: int = 0
@@ -104,8 +105,10 @@ class Tally:
     verify_s: float = 0.0
     mismatches: int = 0
 
-    def add(self, stats, seconds: float, reference: list[list[int]], prompt_ids: list[list[int]]) -> None:
+    def add(self, stats, seconds: float, reference: list[list[int]], prompt_ids: list[list[int]],
+            categories: list[str | None]) -> None:
         self.accepted += [a for row in stats.accepted for a in row]
+        self.categories += [c for c, row in zip(categories, stats.accepted) for _ in row]
         self.copy_rounds += [c for ids, out, row in zip(prompt_ids, stats.tokens, stats.accepted)
                              for c in metrics.copy_rounds(ids, out, row)]
         self.hits += stats.hits
@@ -117,11 +120,16 @@ class Tally:
         self.mismatches += sum(t != r for t, r in zip(stats.tokens, reference))
 
     def tau_split(self) -> dict:
-        """tau over all rounds, over copy rounds, over the rest, and the copy rounds' share."""
+        """tau over all rounds, over copy rounds, over the rest, the copy rounds' share, and tau per benchmark
+        category (where the rows name one)."""
         copied = [a for a, c in zip(self.accepted, self.copy_rounds) if c]
         elsewhere = [a for a, c in zip(self.accepted, self.copy_rounds) if not c]
+        named = sorted({c for c in self.categories if c is not None})
+        by_category = {name: metrics.tau([a for a, c in zip(self.accepted, self.categories) if c == name])
+                       for name in named}
         return {"tau": metrics.tau(self.accepted), "tau_copy": metrics.tau(copied),
-                "tau_elsewhere": metrics.tau(elsewhere), "copy_round_share": len(copied) / max(1, len(self.accepted))}
+                "tau_elsewhere": metrics.tau(elsewhere), "copy_round_share": len(copied) / max(1, len(self.accepted)),
+                "tau_by_category": by_category}
 
     def report(self, baseline_wall_s: float, greedy: bool) -> dict:
         return {
@@ -158,7 +166,7 @@ def evaluate(cfg: RunConfig, target: Target, head, out_dir: Path, head_path: str
     kernels.set_backend(ev.kernels)
     device = next(target.model.parameters()).device
     head = head.to(device=device, dtype=target.model.dtype).eval()
-    items = load_prompts(ev.bench, ev.limit, ev.max_turns)
+    items, categories = load_prompts(ev.bench, ev.limit, ev.max_turns)
     runner, eos, pad = TargetRunner(target), target.eos_ids, target.tokenizer.pad_token_id
     sampling = Sampling(ev.temperature, ev.top_k, ev.top_p)
     proposers = drafters(head, target, ev)
@@ -178,7 +186,7 @@ def evaluate(cfg: RunConfig, target: Target, head, out_dir: Path, head_path: str
             for name, (proposer, _) in proposers.items():
                 stats, seconds = _timed(device, speculative_generate, runner, proposer, ids, ev.max_new_tokens, eos,
                                         sampling, generators[name], pad)
-                tallies[name].add(stats, seconds, reference, ids)
+                tallies[name].add(stats, seconds, reference, ids, [categories[i] for i in chunk])
                 outputs[name] = stats
             main = outputs[MAIN]
             for j, i in enumerate(chunk):
@@ -227,7 +235,7 @@ def evaluate_head_tau(head, target: Target, prompts: list[str], cfg: EvalConfig)
         for start in range(0, len(prompts), cfg.batch_size):
             ids = [target.prompt_ids(p) for p in prompts[start : start + cfg.batch_size]]
             stats = speculative_generate(runner, proposer, ids, cfg.loop_max_new_tokens, eos, GREEDY, None, pad)
-            tally.add(stats, 0.0, stats.tokens, ids)
+            tally.add(stats, 0.0, stats.tokens, ids, [None] * len(ids))
     finally:
         head.train(was_training)
     return {**tally.tau_split(), "accept_per_depth": metrics.accept_per_depth(tally.accepted, t.depth),
