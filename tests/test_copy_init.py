@@ -54,14 +54,22 @@ def copy_accuracy(head, sample) -> float:
 def test_a_fresh_head_copies_after_the_copy_initialisation():
     target = tiny_target()
     d2t, t2d = torch.zeros(VOCAB, dtype=torch.long), torch.ones(VOCAB, dtype=torch.bool)
-    torch.manual_seed(1)
-    head = build_head(HeadConfig(), target, d2t, t2d)
     held_out = repeated_samples(target, 1, seed=2)[0]
-    before = copy_accuracy(head, held_out)
-    fit_r2 = init_copy_attention(head, repeated_samples(target, 8, seed=1))
-    after = copy_accuracy(head, held_out)
+    fitted_on = repeated_samples(target, 8, seed=1)
+    heads = []
+    for _ in range(2):
+        torch.manual_seed(1)
+        heads.append(build_head(HeadConfig(), target, d2t, t2d))
+    sharp, default = heads
+    before = copy_accuracy(sharp, held_out)
+    # a sharp match shows the mechanism: the copied token wins outright
+    fit_r2 = init_copy_attention(sharp, fitted_on, match_scale=2.0)
+    sharp_accuracy = copy_accuracy(sharp, held_out)
     assert fit_r2 > 0.9
-    assert before < 0.1 and after > 0.7, (before, after)  # rotary's fast pairs in the match: ~0.35
+    assert before < 0.1 and sharp_accuracy > 0.7, (before, sharp_accuracy)  # rotary's fast pairs in the match: ~0.35
+    # the default start is soft (training sharpens it), yet already copies far above chance
+    init_copy_attention(default, fitted_on)
+    assert 0.15 < copy_accuracy(default, held_out) < sharp_accuracy
 
 
 def test_copy_initialisation_needs_an_eagle3_head_as_wide_as_the_target():
