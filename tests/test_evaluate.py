@@ -170,6 +170,8 @@ def test_acceptance_cli_writes_the_report_contract(smoke_head, tmp_path):
         assert report["tau_by_category"][name] == pytest.approx(metrics.tau(rounds))
     assert all(set(m["tau_by_category"]) == {"chat", "math"} for m in (report, *report["baselines"].values()))
     assert report["tree"] == {"depth": 3, "topk": 4, "num_draft_tokens": 12}
+    plain = [t for r in report_rows(out) for t in r["plain_output_ids"]]  # the head's draft vocab: even ids
+    assert report["outside_draft_vocab"] == pytest.approx(sum(t % 2 for t in plain) / len(plain))
     assert {"prompt_lookup", "chain"} == set(report["baselines"])
     assert all(b["lossless_mismatches"] == 0 for b in report["baselines"].values())
     assert len(report["serving_advice"]["per_batch"]) == len(AdviceConfig().batch_sizes)

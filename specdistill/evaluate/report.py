@@ -28,7 +28,9 @@ def summary_markdown(r: dict) -> str:
              f"{tree['num_draft_tokens']} draft tokens)",
              f"- speedup vs plain decoding (same run): **{r['speedup']:.2f}x** ({r['wall_s']:.1f}s vs "
              f"{r['baseline_wall_s']:.1f}s; drafting {r['draft_s']:.1f}s, verification {r['verify_s']:.1f}s)",
-             f"- outputs differing from plain greedy decoding: {lossless}", "",
+             f"- outputs differing from plain greedy decoding: {lossless}",
+             f"- target output tokens outside the head's draft vocabulary (no head can propose them): "
+             f"{r['outside_draft_vocab']:.1%}", "",
              "| drafter | tau | tau on copy rounds | tau elsewhere | speedup | target forwards | acceptance per depth |",
              "|---|---|---|---|---|---|---|"]
     for name, m in methods(r).items():

@@ -147,6 +147,12 @@ class Tally:
         }
 
 
+def outside_draft_vocab(head, outputs: list[list[int]]) -> float:
+    """Share of the target's output tokens the head cannot propose: outside its draft vocabulary."""
+    tokens = torch.tensor([t for out in outputs for t in out], dtype=torch.long, device=head.t2d.device)
+    return float((~head.t2d[tokens]).float().mean()) if len(tokens) else 0.0
+
+
 def _timed(device: torch.device, fn, *args):
     """fn(*args) and its wall time (CUDA synchronised)."""
     if device.type == "cuda":
@@ -208,6 +214,7 @@ def evaluate(cfg: RunConfig, target: Target, head, out_dir: Path, head_path: str
         "target": target.name,
         "head": head_path or head.config.kind,
         "plain_new_tokens": sum(len(r["plain_output_ids"]) for r in rows),
+        "outside_draft_vocab": outside_draft_vocab(head, [r["plain_output_ids"] for r in rows]),
         "baselines": {name: t.report(plain_s, greedy) for name, t in tallies.items() if name != MAIN},
     }
     table = metrics.coverage(tallies[MAIN].hits + (tallies["chain"].hits if "chain" in tallies else []),
