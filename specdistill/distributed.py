@@ -19,3 +19,11 @@ def join_launch() -> tuple[int, int, torch.device]:
 
     device = PartialState().device
     return (*rank_and_world(), device)
+
+
+def leave_launch() -> None:
+    """Tear the process group down once every rank is done: left to interpreter exit, gloo's threads can
+    abort a rank ("terminate called without an active exception") after its work succeeded."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

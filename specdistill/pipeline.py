@@ -14,6 +14,7 @@ import time
 from omegaconf import OmegaConf
 
 from specdistill.config import RunConfig
+from specdistill.distributed import leave_launch
 from specdistill.io import write_json
 from specdistill.target import Target, check_capture_layers, load_target, resolve_source
 
@@ -71,4 +72,5 @@ def run_stages(cfg: RunConfig) -> dict[str, dict]:
         results[stage] = importlib.import_module(STAGE_ENTRIES[stage]).run(cfg, target) or {}
         results[stage]["seconds"] = round(time.time() - t0, 1)
         log.info("stage %s: done in %.1fs", stage, time.time() - t0)
+    leave_launch()
     return results

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from test_train import compose_cfg
 
-from specdistill.distributed import rank_and_world
+from specdistill.distributed import leave_launch, rank_and_world
 from specdistill.target import load_target
 from specdistill.train.trainer import Trainer
 
@@ -29,6 +29,7 @@ def main(run_dir: Path, overrides: list[str]) -> None:
     trainer.fit()
     report = {"world": world, "skipped": trainer.state.skipped, "steps": trainer.state.step}
     (run_dir / f"bad-gradient-rank-{rank}.json").write_text(json.dumps(report))
+    leave_launch()
 
 
 if __name__ == "__main__":
