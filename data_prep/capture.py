@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 from specdistill.capture.run import run
 from specdistill.cli import exit_on_user_error
 from specdistill.config import register, to_run_config
+from specdistill.distributed import leave_launch
 from specdistill.pipeline import LazyTarget
 
 register()
@@ -22,6 +23,7 @@ log = logging.getLogger("specdistill")
 def main(dict_cfg: DictConfig) -> None:
     cfg = exit_on_user_error(lambda: to_run_config(dict_cfg))
     result = exit_on_user_error(lambda: run(cfg, LazyTarget(cfg)))
+    leave_launch()
     log.info("capture: %s", result)
 
 

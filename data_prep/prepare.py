@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 from specdistill.cli import exit_on_user_error
 from specdistill.config import register, to_run_config
 from specdistill.data.prepare import data_dir_of, run
+from specdistill.distributed import leave_launch
 from specdistill.pipeline import LazyTarget
 from specdistill.target import resolve_source
 
@@ -24,6 +25,7 @@ def main(dict_cfg: DictConfig) -> None:
     cfg = exit_on_user_error(lambda: to_run_config(dict_cfg))
     exit_on_user_error(lambda: resolve_source(cfg.target))
     summary = exit_on_user_error(lambda: run(cfg, LazyTarget(cfg)))
+    leave_launch()
     log.info("prepared %d samples (%d rejects) in %s", summary["samples"], summary["rejects"], data_dir_of(cfg))
 
 
