@@ -66,6 +66,9 @@ class SynthConfig:
     document_share: float = 0.0
     document_prompts: list[str] = field(default_factory=lambda: ["Summarize the following text.\n\n{document}"])
     document_min_chars: int = 300
+    # Answers joined into one document: serving documents (retrieved passages, articles to summarise)
+    # run to hundreds of tokens, longer than one answer.
+    document_parts: int = 1
 
 
 @dataclass
@@ -273,6 +276,7 @@ def validate(cfg: RunConfig) -> None:
     synth = cfg.data.synth
     _check(len(synth.openers) > 0, "data.synth.openers", "is empty; use [\"\"] for free Magpie questions")
     _check(0.0 <= synth.document_share < 1.0, "data.synth.document_share", "must be in [0, 1)")
+    _check(synth.document_parts >= 1, "data.synth.document_parts", "must be >= 1")
     for i, template in enumerate(synth.document_prompts):
         _check("{document}" in template, f"data.synth.document_prompts[{i}]",
                f"{template[:60]!r} has no {{document}} placeholder")

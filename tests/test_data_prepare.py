@@ -36,10 +36,13 @@ class NoTarget:
         raise AssertionError("the target must not be loaded")
 
 
+PREPARED = ("data.synth.document_parts=2",)  # documents of two answers each
+
+
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     out = tmp_path_factory.mktemp("data")
-    cfg = smoke_cfg(out)
+    cfg = smoke_cfg(out, *PREPARED)
     target = LazyTarget(cfg)
     summary = run(cfg, target)
     return cfg, out, summary, target.get()
@@ -83,8 +86,10 @@ def test_questions_follow_openers_and_documents_are_earlier_answers(prepared):
     assert len(documents) == round(synth.num_conversations * synth.document_share) > 0
     for messages, provenance in rows:
         if "document_of" in provenance:
-            document = answers[provenance["document_of"]]
-            assert len(document) >= synth.document_min_chars
+            parts = [answers[row] for row in provenance["document_of"]]
+            assert len(parts) == synth.document_parts == 2
+            assert all(len(part) >= synth.document_min_chars for part in parts)
+            document = "\n\n".join(parts)
             assert messages[0]["content"] == provenance["document_prompt"].replace("{document}", document)
         else:
             assert provenance["opener"] in synth.openers
@@ -123,7 +128,7 @@ def test_resume_from_the_cache_generates_nothing_again(prepared, tmp_path):
             NoGeneration.restore = lambda: setattr(model, "forward", saved)
             return target
 
-    cfg2 = smoke_cfg(copy, "target.dtype=float32", "data.generation.dtype=float32")
+    cfg2 = smoke_cfg(copy, *PREPARED, "target.dtype=float32", "data.generation.dtype=float32")
     try:
         run(cfg2, NoGeneration())
     finally:

@@ -101,31 +101,34 @@ class _Synthesis:
         return conversations
 
     def document_conversations(self, conversations: list[dict], wanted: int) -> list[dict]:
-        """`wanted` conversations over documents: the long answers among `conversations`, each in a document
-        prompt. Pairs are drawn in a seeded order; a document is reused (with another prompt) only when there
-        are too few, and never twice with the same prompt."""
+        """`wanted` conversations over documents: each joins `document_parts` of the long answers among
+        `conversations`, drawn in a seeded order, and goes into a document prompt. A document is reused
+        (with another prompt) only when there are too few, and never twice with the same prompt."""
         synth = self.synth
-        documents = [(c["provenance"]["row"], c["messages"][1]["content"]) for c in conversations
-                     if len(c["messages"][1]["content"]) >= synth.document_min_chars]
+        answers = [(c["provenance"]["row"], c["messages"][1]["content"]) for c in conversations
+                   if len(c["messages"][1]["content"]) >= synth.document_min_chars]
+        order = random.Random(self.seed + 7)
+        order.shuffle(answers)
+        k = synth.document_parts
+        documents = [([row for row, _ in part], "\n\n".join(text for _, text in part))
+                     for part in (answers[i : i + k] for i in range(0, len(answers) - k + 1, k))]
         if not documents:
-            log.warning("no answer has data.synth.document_min_chars=%d characters: no document conversations",
-                        synth.document_min_chars)
+            log.warning("fewer than data.synth.document_parts=%d answers have data.synth.document_min_chars=%d "
+                        "characters: no document conversations", k, synth.document_min_chars)
             return []
         templates = synth.document_prompts
         if wanted > len(documents) * len(templates):
             log.warning("only %d documents x %d document prompts: %d document conversations instead of %d",
                         len(documents), len(templates), len(documents) * len(templates), wanted)
             wanted = len(documents) * len(templates)
-        order = random.Random(self.seed + 7)
-        order.shuffle(documents)
         first_template = [order.randrange(len(templates)) for _ in documents]
         items = []
         for i in range(wanted):
             d, reuse = i % len(documents), i // len(documents)
-            source_row, document = documents[d]
+            source_rows, document = documents[d]
             template = templates[(first_template[d] + reuse) % len(templates)]
             items.append((f"document {i}", template.replace("{document}", document),
-                          {"document_of": source_row, "document_prompt": template}))
+                          {"document_of": source_rows, "document_prompt": template}))
         out: list[dict] = []
         chunk = 8 * synth.batch_size
         for start in range(0, wanted, chunk):
