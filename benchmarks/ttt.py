@@ -1,6 +1,6 @@
-"""One TTT training step (k = 7, SmolLM2-sized EAGLE-3 head, seq 1024, the first 45% of it a prompt as in
-the default data): tokens/s and peak memory of specdistill's unroll against a straightforward version of
-the anchors' algorithm written here.
+"""One TTT training step (k = 7, an EAGLE-3 head for SmolLM2 or Llama-3.1-8B, seq 1024, the first 45% of it a
+prompt as in the default data): tokens/s and peak memory of specdistill's unroll against a straightforward
+version of the anchors' algorithm written here, on the CPU or a GPU.
 
 Baseline ("naive"): teacher logits materialised over the full target vocabulary ([T, 49152] fp32, then
 softmax / log_softmax over it), and per step the full [T, T] step-0 score matrix concatenated with the
@@ -10,11 +10,12 @@ prompt's), `unroll_ttt` with the fused CPU TTT
 attention and the soft cross-entropy that keeps no [T, V] copies; fp32, and optionally bf16 autocast.
 
 Method: each variant runs in its own subprocess (so peaks do not mix): build the head and inputs, note
-the resident set size (RSS, /proc/self/statm), run one step (teacher + forward + backward), read the
-peak RSS (getrusage ru_maxrss); peak memory = peak - RSS before the step. Then `--repeats` more steps
-are timed (best of) for tokens/s. Same config, same seed, same run.
+the memory in use (CPU: the resident set size, /proc/self/statm; GPU: allocated bytes), run one step
+(teacher + forward + backward), read the peak (CPU: getrusage ru_maxrss; GPU: max_memory_allocated);
+peak memory = peak - memory before the step. Then `--repeats` more steps are timed (best of) for
+tokens/s. Same config, same seed, same run.
 
-    python benchmarks/ttt.py [--seq 1024] [--repeats 2] [--prompt-share 0.45]
+    python benchmarks/ttt.py [--seq 1024] [--repeats 2] [--prompt-share 0.45] [--device cuda] [--scale llama8b]
 Ends with: RESULT speedup=<ours/naive tokens/s> memory_ratio=<ours/naive peak> (fp32), and the
 same for bf16 autocast.
 """
@@ -37,27 +38,35 @@ from specdistill.train.loss import LOSSES
 from specdistill.train.teacher import Teacher
 from specdistill.train.ttt import TTTBatch, teacher_rows, unroll_ttt
 
-STEPS, TARGET_VOCAB, DRAFT_VOCAB, TARGET_HIDDEN = 7, 49152, 8192, 576
-ARCH = HeadArch(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+STEPS = 7
+SCALES = {  # target vocab, draft vocab, capture layers, target layers, head shape (the target's)
+    "smollm2": (49152, 8192, [1, 14, 26], 30, HeadArch(hidden_size=576, intermediate_size=1536, num_attention_heads=9,
+                                                       num_key_value_heads=3, head_dim=64)),
+    "llama8b": (128256, 32000, [1, 15, 28], 32, HeadArch(hidden_size=4096, intermediate_size=14336,
+                                                         num_attention_heads=32, num_key_value_heads=8, head_dim=128)),
+}
 
 
-def build(seq: int, prompt_share: float):
+def build(seq: int, prompt_share: float, scale: str, device: torch.device):
     torch.manual_seed(0)
-    head = Eagle3Head(Eagle3Config(arch=ARCH, vocab_size=TARGET_VOCAB, draft_vocab_size=DRAFT_VOCAB,
-                                   target_hidden_size=TARGET_HIDDEN, aux_layer_ids=[1, 14, 26], target_num_layers=30))
+    target_vocab, draft_vocab, aux_layers, num_layers, arch = SCALES[scale]
+    hidden = arch.hidden_size
+    head = Eagle3Head(Eagle3Config(arch=arch, vocab_size=target_vocab, draft_vocab_size=draft_vocab,
+                                   target_hidden_size=hidden, aux_layer_ids=aux_layers, target_num_layers=num_layers))
     for p in head.parameters():
         torch.nn.init.normal_(p, std=0.02)
-    draft_ids = torch.sort(torch.randperm(TARGET_VOCAB)[:DRAFT_VOCAB]).values
-    head.d2t.copy_(draft_ids - torch.arange(DRAFT_VOCAB))
+    draft_ids = torch.sort(torch.randperm(target_vocab)[:draft_vocab]).values
+    head.d2t.copy_(draft_ids - torch.arange(draft_vocab))
     head.t2d.zero_()
     head.t2d[draft_ids] = True
-    lm_head_W = torch.randn(TARGET_VOCAB, TARGET_HIDDEN) * 0.05
-    norm = torch.nn.RMSNorm(TARGET_HIDDEN, eps=1e-5)
+    lm_head_W = torch.randn(target_vocab, hidden) * 0.05
+    norm = torch.nn.RMSNorm(hidden, eps=1e-5)
     loss_mask = (torch.arange(seq) >= int(prompt_share * seq)).long()[None]
-    batch = TTTBatch(torch.randint(0, TARGET_VOCAB, (1, seq)), loss_mask,
-                     torch.ones(1, seq, dtype=torch.bool), torch.randn(1, seq, 3 * TARGET_HIDDEN),
-                     torch.randn(1, seq, TARGET_HIDDEN))
-    return head, lm_head_W, norm, draft_ids, batch
+    batch = TTTBatch(torch.randint(0, target_vocab, (1, seq)), loss_mask,
+                     torch.ones(1, seq, dtype=torch.bool), torch.randn(1, seq, 3 * hidden), torch.randn(1, seq, hidden))
+    batch = TTTBatch(*(t.to(device) for t in (batch.input_ids_BT, batch.loss_mask_BT, batch.valid_BT, batch.aux_BTA,
+                                              batch.last_BTH)))
+    return head.to(device), lm_head_W.to(device), norm.to(device), draft_ids.to(device), batch
 
 
 # ------------------------------------------------------------------ the baseline, written plainly
@@ -67,7 +76,7 @@ def naive_attention(q, keys, values):
     """Full step-0 scores [T, T] (causal) concatenated with the diagonal scores of steps 1..j."""
     T = q.shape[2]
     scores = torch.matmul(q, keys[0].transpose(-1, -2)) / q.shape[-1] ** 0.5
-    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), float("-inf"))
     diag = [(q * k).sum(-1, keepdim=True) / q.shape[-1] ** 0.5 for k in keys[1:]]
     probs = torch.softmax(torch.cat([scores, *diag], dim=-1), dim=-1)
     out = torch.matmul(probs[..., :T], values[0])
@@ -79,8 +88,8 @@ def naive_attention(q, keys, values):
 def naive_step(head, lm_head_W, norm, draft_ids, batch) -> torch.Tensor:
     ids = batch.input_ids_BT
     B, T = ids.shape
-    with torch.no_grad(), torch.autocast("cpu", enabled=False):  # fp32, as the trainer's teacher
-        target_logits = norm(batch.last_BTH) @ lm_head_W.T  # [B, T, 49152] fp32, materialised
+    with torch.no_grad(), torch.autocast(ids.device.type, enabled=False):  # fp32, as the trainer's teacher
+        target_logits = norm(batch.last_BTH) @ lm_head_W.T  # [B, T, V] fp32, materialised
         target_p = torch.softmax(target_logits, -1)
         target_argmax = target_logits.argmax(-1)
         covered = head.t2d[target_argmax]
@@ -97,7 +106,7 @@ def naive_step(head, lm_head_W, norm, draft_ids, batch) -> torch.Tensor:
         return torch.cat([x[:, s:], torch.zeros_like(x[:, :s])], dim=1)
 
     hidden = head.initial_hidden(batch.aux_BTA)
-    positions = torch.arange(T).expand(B, T)
+    positions = torch.arange(T, device=ids.device).expand(B, T)
     total = 0.0
     for j in range(STEPS):
         hidden = head.step(shift(ids, 1 + j), hidden, positions + j, attend)
@@ -113,7 +122,7 @@ def naive_step(head, lm_head_W, norm, draft_ids, batch) -> torch.Tensor:
 
 
 def ours_step(head, lm_head_W, norm, draft_ids, batch, teacher: Teacher) -> torch.Tensor:
-    with torch.autocast("cpu", enabled=False):  # the trainer computes the teacher outside autocast
+    with torch.autocast(batch.input_ids_BT.device.type, enabled=False):  # the trainer's teacher: outside autocast
         targets = teacher.from_last(batch.last_BTH, teacher_rows(batch))
     return unroll_ttt(head, batch, targets, STEPS, 0.8, LOSSES["forward_kl"]).loss
 
@@ -126,22 +135,25 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def measure(variant: str, seq: int, repeats: int, prompt_share: float) -> dict:
-    head, lm_head_W, norm, draft_ids, batch = build(seq, prompt_share)
+def measure(variant: str, seq: int, repeats: int, prompt_share: float, scale: str, device: torch.device) -> dict:
+    head, lm_head_W, norm, draft_ids, batch = build(seq, prompt_share, scale, device)
     teacher = Teacher(norm, lm_head_W, head.d2t, head.t2d)
     bf16 = variant.endswith("bf16")
+    gpu = device.type == "cuda"
 
     def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             loss = (naive_step(head, lm_head_W, norm, draft_ids, batch) if variant.startswith("naive")
                     else ours_step(head, lm_head_W, norm, draft_ids, batch, teacher))
         loss.backward()
         head.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss)  # waits for the device
 
-    before = rss_bytes()
+    if gpu:
+        torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated() if gpu else rss_bytes()
     loss = step()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    peak = (torch.cuda.max_memory_allocated() if gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) - before
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -157,16 +169,23 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--prompt-share", type=float, default=0.45,
                         help="share of the sequence that is prompt (no loss); the default data: 0.45")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--scale", default="smollm2", choices=sorted(SCALES), help="the target the head is for")
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # internal: run one variant and print JSON
     args = parser.parse_args()
     if args.variant:
-        print(json.dumps(measure(args.variant, args.seq, args.repeats, args.prompt_share)))
+        print(json.dumps(measure(args.variant, args.seq, args.repeats, args.prompt_share, args.scale,
+                                 torch.device(args.device))))
         return
+    print(f"TTT step, k={STEPS}, {args.scale} head, seq {args.seq}, on {args.device}")
     results = {}
     for variant in ("naive", "ours", "naive-bf16", "ours-bf16"):
         out = subprocess.run([sys.executable, __file__, "--variant", variant, "--seq", str(args.seq),
-                              "--repeats", str(args.repeats), "--prompt-share", str(args.prompt_share)],
-                             capture_output=True, text=True, check=True)
+                              "--repeats", str(args.repeats), "--prompt-share", str(args.prompt_share),
+                              "--device", args.device, "--scale", args.scale],
+                             capture_output=True, text=True)
+        if out.returncode:
+            sys.exit(f"{variant} failed:\n{out.stderr[-3000:]}")
         r = results[variant] = json.loads(out.stdout.strip().splitlines()[-1])
         print(f"{variant:11s} loss {r['loss']:.4f}  {r['tokens_per_s']:8.1f} tokens/s  "
               f"peak +{r['peak_bytes'] / 2**20:7.0f} MiB", flush=True)

@@ -12,12 +12,17 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-def join_launch() -> tuple[int, int, torch.device]:
-    """(rank, world, device) of this process, forming the process group first when `accelerate launch`
-    started several (stages before training have no Accelerator to do it)."""
+def launch_device() -> torch.device:
+    """This process's device: its GPU (cuda:<local rank> under `accelerate launch`) when there is one, else
+    the CPU. Forms the process group first when the launcher started several processes."""
     from accelerate import PartialState
 
-    device = PartialState().device
+    return PartialState().device
+
+
+def join_launch() -> tuple[int, int, torch.device]:
+    """(rank, world, device) of this process (stages before training have no Accelerator to form the group)."""
+    device = launch_device()
     return (*rank_and_world(), device)
 
 

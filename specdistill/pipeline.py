@@ -14,7 +14,7 @@ import time
 from omegaconf import OmegaConf
 
 from specdistill.config import RunConfig
-from specdistill.distributed import leave_launch
+from specdistill.distributed import launch_device, leave_launch
 from specdistill.io import write_json
 from specdistill.target import Target, check_capture_layers, load_target, resolve_source
 
@@ -54,9 +54,10 @@ class LazyTarget:
     def get(self) -> Target:
         if self._target is None:
             t0 = time.time()
-            self._target = load_target(self.cfg.target)
-            log.info("loaded target %s (%d layers, capture %s) in %.1fs", self._target.name,
-                     self._target.config.num_hidden_layers, self._target.layer_ids, time.time() - t0)
+            self._target = load_target(self.cfg.target, launch_device())
+            log.info("loaded target %s (%d layers, capture %s) on %s in %.1fs", self._target.name,
+                     self._target.config.num_hidden_layers, self._target.layer_ids, self._target.model.device,
+                     time.time() - t0)
         return self._target
 
 

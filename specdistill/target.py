@@ -223,8 +223,8 @@ def resolve_source(cfg: TargetConfig) -> str:
         ) from err
 
 
-def load_target(cfg: TargetConfig) -> Target:
-    """Load the frozen target in `cfg.dtype`, in eval mode, with its capture layers resolved."""
+def load_target(cfg: TargetConfig, device: torch.device | str = "cpu") -> Target:
+    """Load the frozen target in `cfg.dtype` on `device`, in eval mode, with its capture layers resolved."""
     source = resolve_source(cfg)
     dtype = DTYPES[cfg.dtype]
     if cfg.name == RANDOM_TARGET:
@@ -238,7 +238,7 @@ def load_target(cfg: TargetConfig) -> Target:
             kwargs["gguf_file"] = cfg.gguf_file
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=cfg.gguf_file is None, **kwargs)
-    model = model.to(dtype).eval().requires_grad_(False)
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     layer_ids = resolve_layer_ids(model.config.num_hidden_layers, cfg.capture_layers)

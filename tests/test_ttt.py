@@ -1,5 +1,7 @@
 """The Training-Time Test: attention against an explicit-mask reference, gradients, and train/draft agreement."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -211,3 +213,62 @@ def test_teacher_on_the_read_rows_only_changes_nothing_the_unroll_sees():
         torch.testing.assert_close(x, y)
     for ga, gb in zip(grads_a, grads_b):
         torch.testing.assert_close(ga, gb)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double().cpu() - want).norm() / want.norm())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-3), (torch.bfloat16, 3e-2)])
+def test_fused_attention_on_cuda_equals_explicit_in_float64(dtype, tolerance):
+    """The CUDA core (memory-efficient kernel, padded log-sum-exp rows, aligned bias shared by heads)
+    against the explicit attention in float64 on the CPU: causal, per-document, and queries on a window
+    of the positions under a mask broadcast over the batch; outputs and every gradient."""
+    from specdistill.heads.layers import ttt_attention_explicit
+    from specdistill.train.ttt import document_mask
+
+    g = torch.Generator().manual_seed(0)
+    B, N, T, E, lo = 2, 4, 45, 64, 13  # T and T - lo off every kernel block size
+    doc = torch.tensor([[0] * 20 + [1] * 19 + [-1] * 6, [0] * 45])
+    window = (torch.arange(T)[None] <= torch.arange(lo, T)[:, None])[None]
+    for steps in (1, 3):
+        for mask, Q in ((None, T), (document_mask(doc), T), (window, T - lo)):
+            shapes = [(B, N, Q, E), (B, N, T, E), *[(B, N, Q, E)] * (steps - 1), (B, N, T, E),
+                      *[(B, N, Q, E)] * (steps - 1)]
+            want = [torch.randn(s, generator=g, dtype=torch.float64).requires_grad_() for s in shapes]
+            got = [x.detach().to("cuda", dtype).requires_grad_() for x in want]
+            ref = ttt_attention_explicit(want[0], want[1 : 1 + steps], want[1 + steps :], mask)
+            out = ttt_attention(got[0], got[1 : 1 + steps], got[1 + steps :], None if mask is None else mask.cuda())
+            assert relative_error(out, ref) < tolerance
+            weights = torch.randn(ref.shape, generator=g, dtype=torch.float64)
+            ref_grads = torch.autograd.grad((ref * weights).sum(), want)
+            out_grads = torch.autograd.grad((out * weights.to("cuda", dtype)).sum(), got)
+            for a, b in zip(out_grads, ref_grads):
+                assert relative_error(a, b) < tolerance
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", HEAD_KINDS)
+def test_unroll_on_cuda_equals_cpu(kind):
+    """A whole TTT unroll (prompt, padding, later steps over a window) gives the CPU's loss and gradients."""
+    head = tiny_head(kind)
+    B, T, steps = 3, 18, 4
+    batch, teacher = random_batch(B, T, head), random_teacher(B, T, head)
+    batch.loss_mask_BT[:, :10] = 0
+    batch.valid_BT[2, 15:] = False
+    batch.loss_mask_BT[2, 15:] = 0
+    params = [p for p in head.parameters() if p.requires_grad]
+    cpu = unroll_ttt(head, batch, teacher, steps, 0.8, LOSSES["forward_kl"]).loss
+    cpu_grads = torch.autograd.grad(cpu, params)
+    head.cuda()
+    gpu = unroll_ttt(head, on_cuda(batch), on_cuda(teacher), steps, 0.8, LOSSES["forward_kl"]).loss
+    assert relative_error(gpu, cpu.double()) < 1e-3
+    for a, b in zip(torch.autograd.grad(gpu, params), cpu_grads):
+        assert relative_error(a, b.double()) < 1e-3
+
+
+def on_cuda(tensors):
+    """A copy of a dataclass of tensors with every tensor on the GPU."""
+    return type(tensors)(**{f.name: getattr(tensors, f.name).cuda() if isinstance(getattr(tensors, f.name), torch.Tensor)
+                            else getattr(tensors, f.name) for f in dataclasses.fields(tensors)})

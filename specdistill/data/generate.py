@@ -64,8 +64,8 @@ def sample_next(logits_BV: torch.Tensor, temperature: float, top_p: float,
     # sorting the vocabulary, and exact for every row whose top-k already holds `top_p` of the mass;
     # only the other rows go on to a larger k, and finally to the whole (sorted) vocabulary.
     vocab = probs_BV.shape[-1]
-    tokens_B = torch.empty(probs_BV.shape[0], dtype=torch.int64)
-    rows_R = torch.arange(probs_BV.shape[0])
+    tokens_B = torch.empty(probs_BV.shape[0], dtype=torch.int64, device=probs_BV.device)
+    rows_R = torch.arange(probs_BV.shape[0], device=probs_BV.device)
     for k in (*NUCLEUS_CANDIDATES, vocab):
         top_RK, ids_RK = probs_BV[rows_R].topk(min(k, vocab), dim=-1)
         done_R = top_RK.sum(dim=-1) >= top_p if k < vocab else torch.ones_like(rows_R, dtype=torch.bool)
@@ -120,7 +120,7 @@ class _Running:
     logits_BV: torch.Tensor
 
     def select(self, keep_B: torch.Tensor) -> None:
-        self.rows = [self.rows[int(b)] for b in keep_B]
+        self.rows = [self.rows[b] for b in keep_B.tolist()]
         self.cache.batch_select_indices(keep_B)
         self.attention_BW, self.next_pos_B = self.attention_BW[keep_B], self.next_pos_B[keep_B]
         self.logits_BV = self.logits_BV[keep_B]
@@ -157,8 +157,9 @@ class LocalGenerator:
     def __init__(self, model, pad_token_id: int, stop_token_ids: list[int], batch_size: int,
                  num_tokens: int | None = None):
         self.model = model
+        self.device = next(model.parameters()).device
         self.pad_token_id = pad_token_id
-        self.stop_token_ids = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.int64)
+        self.stop_token_ids = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.int64, device=self.device)
         self.batch_size = batch_size
         self.num_tokens = num_tokens  # ids >= this have no token (a padded embedding) and are never emitted
         self.refill_at = max(1, batch_size // 8)  # free slots that trigger a refill (fewer cache copies)
@@ -176,12 +177,14 @@ class LocalGenerator:
         for b, r in enumerate(rows):
             input_ids_BW[b, width - len(prompts[r]):] = torch.tensor(prompts[r], dtype=torch.int64)
             attention_BW[b, width - len(prompts[r]):] = 1
+        input_ids_BW, attention_BW = input_ids_BW.to(self.device), attention_BW.to(self.device)
         positions_BW = (attention_BW.cumsum(-1) - 1).clamp(min=0)
         cache = _growing_cache()
         # The last position as an index tensor, not `logits_to_keep=1`: the int form hands lm_head a strided
         # view, and torch's CPU matmul then copies the whole lm_head weight once per row (~20x slower).
         out = self.model(input_ids=input_ids_BW, attention_mask=attention_BW, position_ids=positions_BW,
-                         past_key_values=cache, use_cache=True, logits_to_keep=torch.tensor([width - 1]))
+                         past_key_values=cache, use_cache=True,
+                         logits_to_keep=torch.tensor([width - 1], device=self.device))
         return _Running(list(rows), cache, attention_BW, positions_BW[:, -1] + 1, self._next_logits(out))
 
     @torch.inference_mode()
@@ -191,7 +194,7 @@ class LocalGenerator:
         waiting = deque(sorted(range(len(prompts)), key=lambda i: len(prompts[i])))
         generated: list[list[int]] = [[] for _ in prompts]
         finished = [False] * len(prompts)
-        generator = torch.Generator().manual_seed(seed)
+        generator = torch.Generator(self.device).manual_seed(seed)
         running: _Running | None = None
         with threads_for(self.model), tqdm(total=len(prompts), desc=desc, unit="seq", leave=False) as bar:
             while waiting or running is not None:
@@ -204,17 +207,18 @@ class LocalGenerator:
                     else:
                         running.join(fresh)
                 tokens_B = sample_next(running.logits_BV, temperature, top_p, generator)
-                stopped_B = torch.isin(tokens_B, self.stop_token_ids)
-                done_B = torch.zeros_like(stopped_B)
-                for b, row in enumerate(running.rows):
-                    if stopped_B[b]:
+                stopped = torch.isin(tokens_B, self.stop_token_ids).tolist()
+                done = []
+                for row, token, stop in zip(running.rows, tokens_B.tolist(), stopped):
+                    if stop:
                         finished[row] = True
                     else:
-                        generated[row].append(int(tokens_B[b]))
-                    done_B[b] = finished[row] or len(generated[row]) >= max_new_tokens
-                if done_B.any():
-                    bar.update(int(done_B.sum()))
-                    keep_B = (~done_B).nonzero().squeeze(-1)
+                        generated[row].append(token)
+                    done.append(finished[row] or len(generated[row]) >= max_new_tokens)
+                if any(done):
+                    bar.update(sum(done))
+                    keep_B = torch.tensor([b for b, d in enumerate(done) if not d], dtype=torch.int64,
+                                          device=self.device)
                     if keep_B.numel() == 0:
                         running = None
                         continue

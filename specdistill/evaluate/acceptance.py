@@ -14,6 +14,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from specdistill.config import EvalConfig, RunConfig, TargetConfig, WandbConfig, validate
+from specdistill.distributed import launch_device
 from specdistill.evaluate.run import evaluate, load_any_head
 from specdistill.target import check_capture_layers, load_target, resolve_source
 
@@ -57,7 +58,7 @@ def to_run_config(dict_cfg: DictConfig) -> tuple[AcceptanceConfig, RunConfig]:
 def main(dict_cfg: DictConfig) -> dict:
     cfg, run = to_run_config(dict_cfg)
     check_capture_layers(run.target, resolve_source(run.target))
-    target = load_target(run.target)
+    target = load_target(run.target, launch_device())
     log.info("evaluating head %s on %s (%s, %d prompts)", cfg.head_dir, target.name, cfg.bench, cfg.limit)
     report = evaluate(run, target, load_any_head(cfg.head_dir, target), Path(cfg.out), cfg.head_dir)
     lossless = report["lossless_mismatches"]

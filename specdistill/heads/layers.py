@@ -86,18 +86,27 @@ def ttt_attention(q_BNQE, keys, values, mask0_BQT=None) -> torch.Tensor:
     keys[0]/values[0] are the T step-0 entries, attended causally (q and keys[0] then have the same T) or
     under `mask0_BQT` (True = attend: packed documents, or Q queries at a subset of the positions);
     keys[i] for i >= 1 are the step-i entries of the queries' own positions, each attended only by its
-    own query. On CPU the fused core (no [Q, T] matrix kept for backward) runs; elsewhere the explicit one.
+    own query. On CPU, and on CUDA in 16/32-bit floats, the fused core (no [Q, T] matrix kept for
+    backward) runs; elsewhere the explicit one.
     """
-    if q_BNQE.device.type == "cpu":
-        bias_B1QT = None if mask0_BQT is None else attention_bias(mask0_BQT, q_BNQE.dtype)
-        return FusedTTTAttentionCPU.apply(q_BNQE, bias_B1QT, *keys, *values)
+    if q_BNQE.device.type == "cpu" or (q_BNQE.device.type == "cuda" and q_BNQE.dtype in CUDA_FUSED_DTYPES):
+        bias_BNQT = None if mask0_BQT is None else attention_bias(mask0_BQT, q_BNQE)
+        return FusedTTTAttention.apply(q_BNQE, bias_BNQT, *keys, *values)
     return ttt_attention_explicit(q_BNQE, keys, values, mask0_BQT)
 
 
-def attention_bias(mask_BTT: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Boolean mask [B, Q, T] (True = attend) -> additive bias [B, 1, Q, T] (0 or -inf)."""
-    bias = torch.zeros(mask_BTT.shape, dtype=dtype, device=mask_BTT.device)
-    return bias.masked_fill_(~mask_BTT, float("-inf"))[:, None]
+CUDA_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the memory-efficient kernel's
+BIAS_ALIGNMENT = 16  # the CUDA kernel reads the bias rows in aligned vectors
+
+
+def attention_bias(mask_BQT: torch.Tensor, q_BNQE: torch.Tensor) -> torch.Tensor:
+    """Boolean mask [B, Q, T] (True = attend) -> additive bias (0 or -inf) in q's dtype, viewed [B, N, Q, T]
+    (heads share one copy); its rows are padded to a multiple of BIAS_ALIGNMENT columns."""
+    B, Q, T = mask_BQT.shape
+    bias = torch.full((B, 1, Q, -(-T // BIAS_ALIGNMENT) * BIAS_ALIGNMENT), float("-inf"), dtype=q_BNQE.dtype,
+                      device=mask_BQT.device)[..., :T]
+    bias.masked_fill_(mask_BQT[:, None], 0.0)
+    return bias.expand(q_BNQE.shape[0], q_BNQE.shape[1], Q, T)
 
 
 def ttt_attention_explicit(q_BNQE, keys, values, mask0_BQT=None) -> torch.Tensor:
@@ -117,8 +126,32 @@ def ttt_attention_explicit(q_BNQE, keys, values, mask0_BQT=None) -> torch.Tensor
     return out + (probs[..., T:, None] * v_BNQJE).sum(dim=3)
 
 
-class FusedTTTAttentionCPU(torch.autograd.Function):
-    """TTT attention from torch's CPU flash-attention kernel plus a log-sum-exp merge of the diagonal terms.
+def _fused_core(q, k, v, bias, scale):
+    """Step-0 attention, its log-sum-exp [B, N, Q] (fp32) and the kernel's state for backward, from torch's
+    fused kernel for the device: flash attention on CPU, the memory-efficient one on CUDA."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, bias is None, attn_mask=bias, scale=scale)
+        return out, lse, ()
+    out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, bias, True, 0.0, bias is None, scale=scale)
+    return out, lse[..., : q.shape[-2]], (seed, offset, lse.shape[-1])  # CUDA pads lse's rows to blocks of 32
+
+
+def _fused_core_backward(grad, q, k, v, bias, out, lse, state, scale):
+    """dq, dk, dv of the step-0 share, given the merged output and log-sum-exp."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, 0.0, bias is None, attn_mask=bias, scale=scale)
+    seed, offset, padded = state
+    lse = F.pad(lse, (0, padded - lse.shape[-1]))
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        grad, q, k, v, bias, out, lse, seed, offset, 0.0, [True, True, True, False], bias is None, scale=scale)
+    return dq, dk, dv
+
+
+class FusedTTTAttention(torch.autograd.Function):
+    """TTT attention from torch's fused attention kernel plus a log-sum-exp merge of the diagonal terms.
 
     Forward: the kernel gives the step-0 output and its log-sum-exp L0; the diagonal scores d_i join
     through L = logaddexp(L0, d_1..d_j), so out = exp(L0 - L) out0 + sum_i exp(d_i - L) v_i.
@@ -128,12 +161,11 @@ class FusedTTTAttentionCPU(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q_BNTE, bias_B1TT, *keys_then_values):
+    def forward(ctx, q_BNTE, bias_BNTT, *keys_then_values):
         steps = len(keys_then_values) // 2
         keys, values = keys_then_values[:steps], keys_then_values[steps:]
         scale = q_BNTE.shape[-1] ** -0.5
-        out_BNTE, lse_BNT = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q_BNTE, keys[0], values[0], 0.0, bias_B1TT is None, attn_mask=bias_B1TT, scale=scale)
+        out_BNTE, lse_BNT, ctx.state = _fused_core(q_BNTE, keys[0], values[0], bias_BNTT, scale)
         if steps > 1:
             diag_BNTJ = torch.stack([(q_BNTE * k).sum(-1) for k in keys[1:]], dim=-1).float() * scale
             merged_BNT = torch.logaddexp(lse_BNT, diag_BNTJ.logsumexp(-1))
@@ -143,17 +175,16 @@ class FusedTTTAttentionCPU(torch.autograd.Function):
                 out_BNTE = out_BNTE + p_BNTJ[..., i, None] * v
             lse_BNT = merged_BNT
         ctx.scale, ctx.steps = scale, steps
-        ctx.save_for_backward(q_BNTE, bias_B1TT, out_BNTE, lse_BNT, *keys_then_values)
+        ctx.save_for_backward(q_BNTE, bias_BNTT, out_BNTE, lse_BNT, *keys_then_values)
         return out_BNTE
 
     @staticmethod
     def backward(ctx, grad_BNTE):
-        q_BNTE, bias_B1TT, out_BNTE, lse_BNT, *keys_then_values = ctx.saved_tensors
+        q_BNTE, bias_BNTT, out_BNTE, lse_BNT, *keys_then_values = ctx.saved_tensors
         keys, values = keys_then_values[: ctx.steps], keys_then_values[ctx.steps:]
         grad_BNTE = grad_BNTE.contiguous()
-        dq, dk0, dv0 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_BNTE, q_BNTE, keys[0], values[0], out_BNTE, lse_BNT, 0.0, bias_B1TT is None,
-            attn_mask=bias_B1TT, scale=ctx.scale)
+        dq, dk0, dv0 = _fused_core_backward(grad_BNTE, q_BNTE, keys[0], values[0], bias_BNTT, out_BNTE, lse_BNT,
+                                            ctx.state, ctx.scale)
         dkeys, dvalues = [dk0], [dv0]
         rowdot_BNT = (grad_BNTE * out_BNTE).sum(-1).float()
         for k, v in zip(keys[1:], values[1:]):

@@ -119,7 +119,8 @@ def all_ranks_true(flag: bool) -> bool:
     """True only if `flag` holds on every rank (ranks must skip a step together or hang in the reduce)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return flag
-    t = torch.tensor([1 if flag else 0])
+    device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"  # NCCL reduces GPU tensors only
+    t = torch.tensor([1 if flag else 0], device=device)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
     return bool(t.item())
 

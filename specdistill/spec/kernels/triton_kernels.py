@@ -130,7 +130,9 @@ def _load_distribution(src_ptr, dst_ptr, V, BLOCK_V: tl.constexpr):
         tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < V, other=0.0).to(tl.float32), mask=offs < V)
 
 
-@triton.jit
+# N and S stay runtime values: specialised to 1 (a root-only tree), the loop folds away and Triton 3.6's
+# coalescing pass fails on what is left.
+@triton.jit(do_not_specialize=["N", "S"])
 def _rejection_kernel(
     tokens_ptr, next_token_ptr, next_sibling_ptr, target_ptr, draft_ptr, coins_ptr, final_u_ptr,
     p_ptr, q_ptr, accept_ptr, length_ptr, out_ptr, N, V, S, HAS_DRAFT: tl.constexpr, BLOCK_V: tl.constexpr,
