@@ -33,6 +33,23 @@ def test_metrics_from_rounds():
     assert metrics.coverage(hits, min_rounds=3) == [[1 / 3], []]
 
 
+def test_tau_intervals_resample_prompts_and_pair_the_drafters():
+    # head: prompt 0 has rounds (1, 3), prompt 1 (0,), prompt 2 (2, 2); the other drafter accepts one less
+    # in each round of the same prompts, so each draw's ratio lies between the per-prompt ratios
+    head, rounds_of = [1, 3, 0, 2, 2], [0, 0, 1, 2, 2]
+    other = [max(0, a - 1) for a in head]
+    out = metrics.tau_intervals({"head": head, "other": other}, {"head": rounds_of, "other": rounds_of}, 3,
+                                "head", seed=0)
+    lo, hi = out["head"]["tau_ci"]
+    assert 1.0 <= lo < metrics.tau(head) < hi <= 3.0  # between the per-prompt taus (1.0 and 3.0)
+    per_prompt = [3 / 2, 1 / 1, 3 / 2]  # tau(head) / tau(other) on prompts 0, 1, 2
+    ratio_lo, ratio_hi = out["other"]["head_ratio_ci"]
+    assert min(per_prompt) <= ratio_lo <= metrics.tau(head) / metrics.tau(other) <= ratio_hi <= max(per_prompt)
+    assert "head_ratio_ci" not in out["head"]
+    same = metrics.tau_intervals({"head": [1, 1], "copy": [1, 1]}, {"head": [0, 1], "copy": [0, 1]}, 2, "head", 0)
+    assert same["head"]["tau_ci"] == [2.0, 2.0] and same["copy"]["head_ratio_ci"] == [1.0, 1.0]
+
+
 def test_copy_rounds_start_on_a_token_completing_a_3_gram_already_in_the_context():
     prompt = [5, 6, 7, 8]
     output = [5, 6, 7, 9, 6, 7, 9]
@@ -174,6 +191,11 @@ def test_acceptance_cli_writes_the_report_contract(smoke_head, tmp_path):
     assert report["outside_draft_vocab"] == pytest.approx(sum(t % 2 for t in plain) / len(plain))
     assert {"prompt_lookup", "chain"} == set(report["baselines"])
     assert all(b["lossless_mismatches"] == 0 for b in report["baselines"].values())
+    for m in (report, *report["baselines"].values()):
+        assert m["tau_ci"][0] <= m["tau"] <= m["tau_ci"][1]
+    for b in report["baselines"].values():
+        assert b["head_ratio"] == pytest.approx(report["tau"] / b["tau"])
+        assert b["head_ratio_ci"][0] <= b["head_ratio"] <= b["head_ratio_ci"][1]
     assert len(report["serving_advice"]["per_batch"]) == len(AdviceConfig().batch_sizes)
     tree_check, chain_check = report["serving_advice"]["model_check"]
     assert tree_check["tau"] == round(report["tau"], 3) and tree_check["num_draft_tokens"] == 12
@@ -185,7 +207,7 @@ def test_acceptance_cli_writes_the_report_contract(smoke_head, tmp_path):
     assert all(r["output_ids"] == r["plain_output_ids"] for r in rows)
     assert (out / "acceptance.png").stat().st_size > 0
     summary = (out / "summary.md").read_text()
-    assert "| tau by category | chat | math |" in summary
+    assert "| tau by category | chat | math |" in summary and "95% interval over prompts [" in summary
     assert "## Serving advice" in summary and "| 256 |" in summary and "prompt_lookup" in summary
     assert "Model check: the head tree (depth 3, top-k 4, 12" in summary and "Model check: the chain (depth 3" in summary
 

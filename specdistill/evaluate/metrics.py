@@ -1,13 +1,48 @@
 """Acceptance metrics from verification rounds: tau, per-depth acceptance, tau split by whether the
-round starts on a token copied from the context, and the drafter's top-w coverage per depth (what the
-serving-advice model extrapolates from)."""
+round starts on a token copied from the context, bootstrap intervals over prompts, and the drafter's
+top-w coverage per depth (what the serving-advice model extrapolates from)."""
 
 from __future__ import annotations
+
+import numpy as np
+
+BOOTSTRAP_DRAWS = 2000
 
 
 def tau(accepted: list[int]) -> float:
     """Mean over verification rounds of (accepted draft tokens + 1): tokens per target forward."""
     return sum(a + 1 for a in accepted) / max(1, len(accepted))
+
+
+def _prompt_totals(accepted: list[int], prompt_of_round: list[int], prompts: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per prompt: tokens produced (accepted + 1 summed over its rounds) and its number of rounds."""
+    idx = np.asarray(prompt_of_round, dtype=np.int64)
+    tokens = np.bincount(idx, weights=np.asarray(accepted, dtype=np.float64) + 1, minlength=prompts)
+    return tokens, np.bincount(idx, minlength=prompts).astype(np.float64)
+
+
+def tau_intervals(accepted: dict[str, list[int]], prompt_of_round: dict[str, list[int]], prompts: int,
+                  reference: str, seed: int, level: float = 0.95) -> dict[str, dict]:
+    """Bootstrap over prompts (the unit that varies between benchmarks): for each drafter, the `level`
+    interval of its tau and, for the others, of the ratio tau(reference) / tau(drafter), each draw
+    resampling the same prompts for every drafter (a paired comparison)."""
+    rng = np.random.default_rng(seed)
+    draws = rng.integers(0, prompts, size=(BOOTSTRAP_DRAWS, prompts))
+    taus = {}
+    for name in accepted:
+        tokens, rounds = _prompt_totals(accepted[name], prompt_of_round[name], prompts)
+        taus[name] = tokens[draws].sum(1) / np.maximum(rounds[draws].sum(1), 1)
+    tail = (1 - level) / 2 * 100
+
+    def interval(x: np.ndarray) -> list[float]:
+        return [round(float(v), 3) for v in np.percentile(x, [tail, 100 - tail])]
+
+    out = {name: {"tau_ci": interval(t)} for name, t in taus.items()}
+    for name in accepted:
+        if name != reference:
+            ratio = np.divide(taus[reference], taus[name], out=np.zeros(BOOTSTRAP_DRAWS), where=taus[name] > 0)
+            out[name]["head_ratio_ci"] = interval(ratio)
+    return out
 
 
 def accept_per_depth(accepted: list[int], depth: int) -> list[float]:

@@ -25,19 +25,22 @@ def summary_markdown(r: dict) -> str:
              f"batch {r['batch_size']})", "",
              f"- head: {r['head']} on target {r['target']}",
              f"- tau: **{r['tau']:.2f}** tokens per target forward (tree depth {tree['depth']}, top-k {tree['topk']}, "
-             f"{tree['num_draft_tokens']} draft tokens)",
+             f"{tree['num_draft_tokens']} draft tokens); 95% interval over prompts {_interval(r['tau_ci'])}",
              f"- speedup vs plain decoding (same run): **{r['speedup']:.2f}x** ({r['wall_s']:.1f}s vs "
              f"{r['baseline_wall_s']:.1f}s; drafting {r['draft_s']:.1f}s, verification {r['verify_s']:.1f}s)",
              f"- outputs differing from plain greedy decoding: {lossless}",
              f"- target output tokens outside the head's draft vocabulary (no head can propose them): "
              f"{r['outside_draft_vocab']:.1%}", "",
-             "| drafter | tau | tau on copy rounds | tau elsewhere | speedup | target forwards | acceptance per depth |",
-             "|---|---|---|---|---|---|---|"]
+             "| drafter | tau (95% interval) | head tau / its tau (95% interval) | tau on copy rounds | tau elsewhere "
+             "| speedup | target forwards | acceptance per depth |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, m in methods(r).items():
         depths = " ".join(f"{a:.2f}" for a in m["accept_per_depth"])
-        lines.append(f"| {name} | {m['tau']:.2f} | {m['tau_copy']:.2f} | {m['tau_elsewhere']:.2f} | {m['speedup']:.2f}x "
-                     f"| {m['target_forwards']} | {depths} |")
-    lines += ["", f"Copy rounds ({r['copy_round_share']:.0%} of the head's rounds) start on a token that completes a "
+        ratio = f"{m['head_ratio']:.2f}x {_interval(m['head_ratio_ci'])}" if "head_ratio" in m else "-"
+        lines.append(f"| {name} | {m['tau']:.2f} {_interval(m['tau_ci'])} | {ratio} | {m['tau_copy']:.2f} "
+                     f"| {m['tau_elsewhere']:.2f} | {m['speedup']:.2f}x | {m['target_forwards']} | {depths} |")
+    lines += ["", "Intervals: bootstrap over the prompts, each draw resampling the same prompts for every drafter.",
+              "", f"Copy rounds ({r['copy_round_share']:.0%} of the head's rounds) start on a token that completes a "
               "3-gram already in the context: where copying from the context pays most."]
     if r.get("tau_by_category"):
         categories = list(r["tau_by_category"])
@@ -47,6 +50,10 @@ def summary_markdown(r: dict) -> str:
                   for name, m in methods(r).items()]
     text = "\n".join(lines) + "\n"
     return text + ("\n" + advice_markdown(r["serving_advice"]) if r.get("serving_advice") else "")
+
+
+def _interval(bounds: list[float]) -> str:
+    return f"[{bounds[0]:.2f}, {bounds[1]:.2f}]"
 
 
 def plot_acceptance(report: dict, path: Path) -> None:
@@ -79,11 +86,12 @@ def log_wandb(report: dict, wandb: WandbConfig, out_dir: Path, name: str) -> Non
 
     run = wb.init(project=wandb.project, entity=wandb.entity, mode=wandb.mode, dir=str(out_dir), name=name,
                   job_type="eval", reinit="finish_previous")
-    columns = ["drafter", "tau", "tau_copy", "tau_elsewhere", "speedup", "target_forwards", "new_tokens",
-               "accept_per_depth", "tau_by_category"]
+    columns = ["drafter", "tau", "tau_ci", "head_ratio", "head_ratio_ci", "tau_copy", "tau_elsewhere", "speedup",
+               "target_forwards", "new_tokens", "accept_per_depth", "tau_by_category"]
     table = wb.Table(columns=columns)
     for drafter, m in methods(report).items():
-        table.add_data(drafter, m["tau"], m["tau_copy"], m["tau_elsewhere"], m["speedup"], m["target_forwards"],
+        table.add_data(drafter, m["tau"], str(m["tau_ci"]), m.get("head_ratio"), str(m.get("head_ratio_ci")),
+                       m["tau_copy"], m["tau_elsewhere"], m["speedup"], m["target_forwards"],
                        m["new_tokens"], str([round(a, 3) for a in m["accept_per_depth"]]),
                        str({c: round(t, 3) for c, t in m["tau_by_category"].items()}))
     logged = {"eval/acceptance": table, "eval/tau": report["tau"], "eval/speedup": report["speedup"]}

@@ -97,6 +97,8 @@ class Tally:
     accepted: list[int] = field(default_factory=list)
     copy_rounds: list[bool] = field(default_factory=list)  # per round: starts on a token copied from the context
     categories: list[str | None] = field(default_factory=list)  # per round: its prompt's benchmark category
+    prompt_of_round: list[int] = field(default_factory=list)  # per round: which prompt (in evaluation order)
+    prompts: int = 0
     hits: list[tuple[int, int, int]] = field(default_factory=list)
     new_tokens: int = 0
     target_forwards: int = 0
@@ -109,6 +111,8 @@ class Tally:
             categories: list[str | None]) -> None:
         self.accepted += [a for row in stats.accepted for a in row]
         self.categories += [c for c, row in zip(categories, stats.accepted) for _ in row]
+        self.prompt_of_round += [self.prompts + j for j, row in enumerate(stats.accepted) for _ in row]
+        self.prompts += len(stats.accepted)
         self.copy_rounds += [c for ids, out, row in zip(prompt_ids, stats.tokens, stats.accepted)
                              for c in metrics.copy_rounds(ids, out, row)]
         self.hits += stats.hits
@@ -217,6 +221,13 @@ def evaluate(cfg: RunConfig, target: Target, head, out_dir: Path, head_path: str
         "outside_draft_vocab": outside_draft_vocab(head, [r["plain_output_ids"] for r in rows]),
         "baselines": {name: t.report(plain_s, greedy) for name, t in tallies.items() if name != MAIN},
     }
+    intervals = metrics.tau_intervals({n: t.accepted for n, t in tallies.items()},
+                                      {n: t.prompt_of_round for n, t in tallies.items()}, len(rows), MAIN, cfg.seed)
+    report["tau_ci"] = intervals[MAIN]["tau_ci"]
+    for name, baseline in report["baselines"].items():
+        baseline.update(tau_ci=intervals[name]["tau_ci"],
+                        head_ratio=report["tau"] / baseline["tau"] if baseline["tau"] else 0.0,
+                        head_ratio_ci=intervals[name]["head_ratio_ci"])
     table = metrics.coverage(tallies[MAIN].hits + (tallies["chain"].hits if "chain" in tallies else []),
                              ev.advice.min_rounds)
     report["serving_advice"] = advise(table, target_cost(target.model, ev.advice), head_cost(head, ev.advice),
