@@ -80,6 +80,10 @@ class Rotary(nn.Module):
         return self.inner(x, position_ids_BT)
 
 
+CUDA_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the memory-efficient kernel's
+BIAS_ALIGNMENT = 16  # the CUDA kernel reads the bias rows in aligned vectors
+
+
 def ttt_attention(q_BNQE, keys, values, mask0_BQT=None) -> torch.Tensor:
     """Training-time-test attention for step j = len(keys) - 1.
 
@@ -93,10 +97,6 @@ def ttt_attention(q_BNQE, keys, values, mask0_BQT=None) -> torch.Tensor:
         bias_BNQT = None if mask0_BQT is None else attention_bias(mask0_BQT, q_BNQE)
         return FusedTTTAttention.apply(q_BNQE, bias_BNQT, *keys, *values)
     return ttt_attention_explicit(q_BNQE, keys, values, mask0_BQT)
-
-
-CUDA_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # the memory-efficient kernel's
-BIAS_ALIGNMENT = 16  # the CUDA kernel reads the bias rows in aligned vectors
 
 
 def attention_bias(mask_BQT: torch.Tensor, q_BNQE: torch.Tensor) -> torch.Tensor:
