@@ -2,12 +2,11 @@
 prompt as in the default data): tokens/s and peak memory of specdistill's unroll against a straightforward
 version of the anchors' algorithm written here, on the CPU or a GPU.
 
-Baseline ("naive"): teacher logits materialised over the full target vocabulary ([T, 49152] fp32, then
+Baseline ("naive"): teacher logits materialised over the full target vocabulary ([T, V] fp32, then
 softmax / log_softmax over it), and per step the full [T, T] step-0 score matrix concatenated with the
 diagonal terms of later steps, soft cross-entropy through autograd's log_softmax.
 Ours: `Teacher.from_last` (vocabulary chunks, draft vocab only, only the rows the loss reads: not the
-prompt's), `unroll_ttt` with the fused CPU TTT
-attention and the soft cross-entropy that keeps no [T, V] copies; fp32, and optionally bf16 autocast.
+prompt's), `unroll_ttt` with the fused TTT attention (CPU flash or CUDA memory-efficient kernel) and the soft cross-entropy that keeps no [T, V] copies; fp32, and optionally bf16 autocast.
 
 Method: each variant runs in its own subprocess (so peaks do not mix): build the head and inputs, note
 the memory in use (CPU: the resident set size, /proc/self/statm; GPU: allocated bytes), run one step
@@ -62,10 +61,9 @@ def build(seq: int, prompt_share: float, scale: str, device: torch.device):
     lm_head_W = torch.randn(target_vocab, hidden) * 0.05
     norm = torch.nn.RMSNorm(hidden, eps=1e-5)
     loss_mask = (torch.arange(seq) >= int(prompt_share * seq)).long()[None]
-    batch = TTTBatch(torch.randint(0, target_vocab, (1, seq)), loss_mask,
-                     torch.ones(1, seq, dtype=torch.bool), torch.randn(1, seq, 3 * hidden), torch.randn(1, seq, hidden))
-    batch = TTTBatch(*(t.to(device) for t in (batch.input_ids_BT, batch.loss_mask_BT, batch.valid_BT, batch.aux_BTA,
-                                              batch.last_BTH)))
+    batch = TTTBatch(*(t.to(device) for t in (torch.randint(0, target_vocab, (1, seq)), loss_mask,
+                                              torch.ones(1, seq, dtype=torch.bool), torch.randn(1, seq, 3 * hidden),
+                                              torch.randn(1, seq, hidden))))
     return head.to(device), lm_head_W.to(device), norm.to(device), draft_ids.to(device), batch
 
 
