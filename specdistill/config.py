@@ -104,7 +104,7 @@ class DataConfig:
     max_length: int = 2048
     overlong: str = "truncate"  # truncate | drop
     last_turn_only: bool = False
-    draft_vocab_size: int = 8192
+    draft_vocab_size: int = 16384
     max_reject_share: float = 0.2
     num_proc: int = 1
     streaming: bool = False  # read hf sources lazily (sets larger than memory)

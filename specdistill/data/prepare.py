@@ -169,8 +169,10 @@ def run(cfg: RunConfig, target) -> dict:
     vocab.save(data_dir / "vocab.safetensors")
     summary = _summary(cfg, want, lengths, vocab, rejects, total_rows, timings)
     write_json(data_dir / "summary.json", summary)
-    log.info("prepare: %d samples, %d loss tokens, draft vocab %d covers %.1f%%; wrote %s",
-             summary["samples"], summary["loss_tokens"], vocab.size, 100 * vocab.coverage, data_dir)
+    from_data = min(vocab.size, summary["distinct_loss_tokens"])
+    log.info("prepare: %d samples, %d loss tokens, draft vocab %d (%d seen in the answers, %d lowest unseen ids) "
+             "covers %.1f%%; wrote %s", summary["samples"], summary["loss_tokens"], vocab.size, from_data,
+             vocab.size - from_data, 100 * vocab.coverage, data_dir)
     if world > 1:
         torch.distributed.barrier()
     return summary

@@ -1,8 +1,10 @@
 """The draft vocabulary: the N target tokens the head predicts, chosen by loss-masked frequency.
 
 The head's lm_head has exactly N rows, so N is always the configured size, even when the data holds
-fewer distinct tokens: the remaining slots are filled with the lowest unseen ids (a deterministic
-choice; those rows are never trained towards, so which ids they are does not matter for the loss).
+fewer distinct tokens: the remaining slots are filled with the lowest unseen ids. A BPE tokenizer
+numbers its merges in the order it learned them, most frequent first, so these are the pieces most
+common in its corpus: words a prompt may hold that the training answers never used, which the head can
+then copy. Their rows train on the target's soft probabilities like every other row.
 
 Legend: N = draft vocab size, V = target vocab size.
 """
