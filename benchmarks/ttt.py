@@ -6,7 +6,8 @@ Baseline ("naive"): teacher logits materialised over the full target vocabulary 
 softmax / log_softmax over it), and per step the full [T, T] step-0 score matrix concatenated with the
 diagonal terms of later steps, soft cross-entropy through autograd's log_softmax.
 Ours: `Teacher.from_last` (vocabulary chunks, draft vocab only, only the rows the loss reads: not the
-prompt's), `unroll_ttt` with the fused TTT attention (CPU flash or CUDA memory-efficient kernel) and the soft cross-entropy that keeps no [T, V] copies; fp32, and optionally bf16 autocast.
+prompt's), `unroll_ttt` with the fused TTT attention (CPU flash or CUDA memory-efficient kernel) and the
+soft cross-entropy that keeps no [T, V] copies; fp32, and optionally bf16 autocast.
 
 Method: each variant runs in its own subprocess (so peaks do not mix): build the head and inputs, note
 the memory in use (CPU: the resident set size, /proc/self/statm; GPU: allocated bytes), run one step
