@@ -66,9 +66,10 @@ class SynthConfig:
     document_share: float = 0.0
     document_prompts: list[str] = field(default_factory=lambda: ["Summarize the following text.\n\n{document}"])
     document_min_chars: int = 300
-    # Answers joined into one document: serving documents (retrieved passages, articles to summarise)
-    # run to hundreds of tokens, longer than one answer.
-    document_parts: int = 1
+    # Answers joined into one document, in rotation over the documents ([1, 1, 6]: every third document
+    # joins six): serving documents (retrieved passages, articles to summarise) run to a thousand tokens
+    # and more, longer than one answer, and the head must learn to copy across such distances.
+    document_parts: list[int] = field(default_factory=lambda: [1])
 
 
 @dataclass
@@ -276,7 +277,8 @@ def validate(cfg: RunConfig) -> None:
     synth = cfg.data.synth
     _check(len(synth.openers) > 0, "data.synth.openers", "is empty; use [\"\"] for free Magpie questions")
     _check(0.0 <= synth.document_share < 1.0, "data.synth.document_share", "must be in [0, 1)")
-    _check(synth.document_parts >= 1, "data.synth.document_parts", "must be >= 1")
+    _check(len(synth.document_parts) > 0 and min(synth.document_parts) >= 1, "data.synth.document_parts",
+           f"must be a non-empty list of part counts >= 1, got {list(synth.document_parts)}")
     for i, template in enumerate(synth.document_prompts):
         _check("{document}" in template, f"data.synth.document_prompts[{i}]",
                f"{template[:60]!r} has no {{document}} placeholder")

@@ -43,6 +43,8 @@ def test_default_is_the_embedded_target_with_all_stages():
      ("data.source=jsonl", "data.path"), ("export.formats=[onnx]", "export.formats"),
      ("data.synth.document_prompts=[Summarize]", r"data.synth.document_prompts\[0\]"),
      ("data.synth.document_share=1.0", "data.synth.document_share"),
+     ("data.synth.document_parts=[1,0]", "data.synth.document_parts"),
+     ("data.synth.document_parts=[]", "data.synth.document_parts"),
      ("head=mtp head.copy_init=true", "head.copy_init")],
 )
 def test_config_errors_name_the_field(override, field):

@@ -36,7 +36,7 @@ class NoTarget:
         raise AssertionError("the target must not be loaded")
 
 
-PREPARED = ("data.synth.document_parts=2",)  # documents of two answers each
+PREPARED = ("data.synth.document_parts=[2,1]",)  # documents of two answers, then one, in rotation
 
 
 @pytest.fixture(scope="module")
@@ -84,10 +84,10 @@ def test_questions_follow_openers_and_documents_are_earlier_answers(prepared):
     answers = {p["row"]: m[1]["content"] for m, p in rows if "document_of" not in p}
     documents = [(m, p) for m, p in rows if "document_of" in p]
     assert len(documents) == round(synth.num_conversations * synth.document_share) > 0
+    assert {len(p["document_of"]) for _, p in documents} == set(synth.document_parts) == {1, 2}
     for messages, provenance in rows:
         if "document_of" in provenance:
             parts = [answers[row] for row in provenance["document_of"]]
-            assert len(parts) == synth.document_parts == 2
             assert all(len(part) >= synth.document_min_chars for part in parts)
             document = "\n\n".join(parts)
             assert messages[0]["content"] == provenance["document_prompt"].replace("{document}", document)

@@ -13,6 +13,7 @@ Every batch is cached, so a killed run resumes without generating anything twice
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import random
@@ -101,20 +102,25 @@ class _Synthesis:
         return conversations
 
     def document_conversations(self, conversations: list[dict], wanted: int) -> list[dict]:
-        """`wanted` conversations over documents: each joins `document_parts` of the long answers among
-        `conversations`, drawn in a seeded order, and goes into a document prompt. A document is reused
-        (with another prompt) only when there are too few, and never twice with the same prompt."""
+        """`wanted` conversations over documents: each joins the next count of `document_parts` (in
+        rotation) of the long answers among `conversations`, drawn in a seeded order, and goes into a
+        document prompt. A document is reused (with another prompt) only when there are too few, and never
+        twice with the same prompt."""
         synth = self.synth
         answers = [(c["provenance"]["row"], c["messages"][1]["content"]) for c in conversations
                    if len(c["messages"][1]["content"]) >= synth.document_min_chars]
         order = random.Random(self.seed + 7)
         order.shuffle(answers)
-        k = synth.document_parts
-        documents = [([row for row, _ in part], "\n\n".join(text for _, text in part))
-                     for part in (answers[i : i + k] for i in range(0, len(answers) - k + 1, k))]
+        documents, start = [], 0
+        for k in itertools.cycle(synth.document_parts):
+            part = answers[start : start + k]
+            if len(part) < k:
+                break
+            documents.append(([row for row, _ in part], "\n\n".join(text for _, text in part)))
+            start += k
         if not documents:
-            log.warning("fewer than data.synth.document_parts=%d answers have data.synth.document_min_chars=%d "
-                        "characters: no document conversations", k, synth.document_min_chars)
+            log.warning("fewer than data.synth.document_parts[0]=%d answers have data.synth.document_min_chars=%d "
+                        "characters: no document conversations", synth.document_parts[0], synth.document_min_chars)
             return []
         templates = synth.document_prompts
         if wanted > len(documents) * len(templates):
