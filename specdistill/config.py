@@ -157,6 +157,7 @@ class TrainConfig:
     max_bad_steps: int = 10
     holdout_share: float = 0.05
     vocab_chunk: int = 16384  # teacher logits are computed this many vocab columns at a time
+    served_vocab_size: int | None = None  # draft tokens of ckpt/best and ckpt/final (null: data.draft_vocab_size)
 
 
 @dataclass
@@ -305,6 +306,9 @@ def validate(cfg: RunConfig) -> None:
     _check(cfg.train.ckpt_every >= 1, "train.ckpt_every", "must be at least 1")
     _check(cfg.train.keep_last >= 1, "train.keep_last", "must be at least 1")
     _check(cfg.train.eval_every >= 0, "train.eval_every", "must be >= 0 (0: off)")
+    _check(cfg.train.served_vocab_size is None or cfg.train.served_vocab_size >= cfg.data.draft_vocab_size,
+           "train.served_vocab_size", f"got {cfg.train.served_vocab_size}, expected null or at least "
+           f"data.draft_vocab_size={cfg.data.draft_vocab_size} (the trained rows are kept, more are added)")
     _check(cfg.train.max_bad_steps >= 1, "train.max_bad_steps", "must be at least 1")
     if cfg.train.deepspeed is not None:
         _choice(cfg.train.deepspeed, ("zero2", "zero3"), "train.deepspeed")

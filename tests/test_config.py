@@ -45,7 +45,8 @@ def test_default_is_the_embedded_target_with_all_stages():
      ("data.synth.document_share=1.0", "data.synth.document_share"),
      ("data.synth.document_parts=[1,0]", "data.synth.document_parts"),
      ("data.synth.document_parts=[]", "data.synth.document_parts"),
-     ("head=mtp head.copy_init=true", "head.copy_init")],
+     ("head=mtp head.copy_init=true", "head.copy_init"),
+     ("train.served_vocab_size=100", "train.served_vocab_size")],
 )
 def test_config_errors_name_the_field(override, field):
     with pytest.raises(ConfigError, match=f"`{field}`"):

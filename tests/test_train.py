@@ -141,7 +141,7 @@ def test_in_loop_tau_keeps_the_best_head_and_packing_trains(prepared, tmp_path):
     calls = []
 
     def tau_of(head):
-        calls.append(head.training)
+        calls.append((head.training, head.config.draft_vocab_size))
         return {"tau": next(taus), "tau_copy": 1.0}
 
     trainer = Trainer(cfg, load_target(cfg.target), tau_evaluator=tau_of)
@@ -149,8 +149,12 @@ def test_in_loop_tau_keeps_the_best_head_and_packing_trains(prepared, tmp_path):
     assert all(len(batch) == 1 for batch in plan) and any(len(batch[0]) > 1 for batch in plan)  # packed rows
     trainer.fit()
     history = json.loads((run_dir / "train" / "history.json").read_text())
-    assert [h.get("tau") for h in history] == [None, 1.5, None, 2.0, None, 1.8] and calls == [False] * 3
+    # the in-loop tau scores what is served: the head widened past its 256 trained draft tokens (smoke: 320)
+    assert [h.get("tau") for h in history] == [None, 1.5, None, 2.0, None, 1.8] and calls == [(False, 320)] * 3
     assert json.loads((run_dir / "ckpt" / "best" / "best.json").read_text()) == {"step": 4, "tau": 2.0}
+    assert [load_head(run_dir / "ckpt" / d).config.draft_vocab_size for d in ("best", "final")] == [320, 320]
+    step_state = load_file(str(run_dir / "ckpt" / "step-0000006" / "model.safetensors"))
+    assert step_state["head.lm_head.weight"].shape[0] == 256  # what a resumed run goes on training
     assert {"acc/0", "accept/2", "loss/1", "tau_sim", "holdout/tau_sim"} <= history[-1].keys()
 
 
@@ -167,6 +171,12 @@ def test_in_loop_tau_never_runs_on_the_prompts_the_head_is_scored_on(monkeypatch
     small = compose_cfg(tmp_path / "loop", "train.eval_every=2", f"eval.bench={bench}", "eval.limit=3")
     with pytest.raises(ConfigError, match="outside the 3 evaluated ones"):
         load_tau_evaluator(small, target=None)
+
+
+def test_a_served_vocabulary_wider_than_the_target_is_a_config_error(prepared, tmp_path):
+    cfg = compose_cfg(run_dir_from(prepared, tmp_path, "wide"), "train.served_vocab_size=1000")
+    with pytest.raises(ConfigError, match="`train.served_vocab_size`: got 1000, the target has only 384 tokens"):
+        Trainer(cfg, load_target(cfg.target))
 
 
 def test_deepspeed_configs_compose():

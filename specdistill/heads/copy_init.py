@@ -24,31 +24,12 @@ from collections.abc import Iterable
 import torch
 
 from specdistill.heads.eagle3 import Eagle3Head
+from specdistill.heads.fit import gram, ridge_solve
 
 SLOW_SHARE = 3 / 8  # of the rotary pairs, the slowest, used for the match (12 of 32 at head_dim 64)
 MATCH_SCALE = 1.0  # on queries and keys: a soft start that training sharpens (8,192 draft tokens: tau 2.39 at 1, 2.26 at 2;
 #                    on the document_parts=2 data, 2.33 at both 1 and 0.6)
 FC_RANDOM_SCALE = 0.1  # the random part of fc, beside the decoded token identity
-RIDGE = 1e-6  # relative to the mean diagonal: keeps the least-squares solves well posed
-CHUNK_ROWS = 8192  # rows per product in `gram`: bounded memory for a large vocabulary or long samples
-
-
-def gram(rows_ND: torch.Tensor, other_NK: torch.Tensor | None = None) -> torch.Tensor:
-    """rows^T @ other (other = rows by default) in float64 on the rows' device, a chunk of rows at a
-    time, summed on the CPU: [D, K]."""
-    width = rows_ND.shape[1] if other_NK is None else other_NK.shape[1]
-    out = torch.zeros(rows_ND.shape[1], width, dtype=torch.float64)
-    for i in range(0, len(rows_ND), CHUNK_ROWS):
-        chunk = rows_ND[i:i + CHUNK_ROWS].double()
-        other = chunk if other_NK is None else other_NK[i:i + CHUNK_ROWS].double()
-        out += (chunk.T @ other).cpu()
-    return out
-
-
-def ridge_solve(gram_AA: torch.Tensor, cross_AB: torch.Tensor) -> torch.Tensor:
-    """Least squares from its normal equations: (X^T X) W = X^T Y, W [A, B]."""
-    eye = torch.eye(len(gram_AA), dtype=gram_AA.dtype)
-    return torch.linalg.solve(gram_AA + RIDGE * gram_AA.diagonal().mean() * eye, cross_AB)
 
 
 def whitened_basis(normed_VD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,8 +5,10 @@ A checkpoint (`ckpt/step-N/`) holds the head, optimizer, scheduler (accelerate's
 position and history (`trainer_state.json`) and every rank's RNG (`rng-rank-R.safetensors`), so a run
 killed with SIGKILL and started again with the same command ends with the same weights. The last
 `train.keep_last` checkpoints are kept, and the best head so far (by in-loop tau, else held-out
-simulated tau) in `ckpt/best/`. Each rank writes the sample ids it consumed to
-`train/samples-rank-R.json`.
+simulated tau) in `ckpt/best/`. With `train.served_vocab_size`, the heads in `ckpt/best/` and
+`ckpt/final/` (and the one the in-loop tau scores) are widened to that many draft tokens
+(`heads/widen.py`); step checkpoints keep the trained shape, so a resumed run trains the same head. Each
+rank writes the sample ids it consumed to `train/samples-rank-R.json`.
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ from tqdm import tqdm
 from specdistill.capture.run import samples_dir
 from specdistill.capture.store import FeatureStore
 from specdistill.config import ConfigError, RunConfig
-from specdistill.data.vocab import DraftVocab
+from specdistill.data.vocab import DraftVocab, build_draft_vocab
 from specdistill.distributed import rank_and_world
 from specdistill.heads import build_head, head_from_state, save_head
 from specdistill.heads.copy_init import init_copy_attention
+from specdistill.heads.widen import widened
 from specdistill.io import atomic_dir, save_tensors, write_json
 from specdistill.pipeline import redacted
 from specdistill.target import Target, TargetRunner
@@ -177,7 +180,9 @@ class Trainer:
         self.head = build_head(cfg.head, target, vocab.d2t_N, vocab.t2d_V)
         runner = TargetRunner(target)
         norm = runner.final_norm().float()
-        self.teacher = Teacher(norm.to(self.device), target.model.get_output_embeddings().weight.float().to(self.device),
+        self.target_lm_head = target.model.get_output_embeddings().weight
+        self.served_vocab = self.served_vocabulary(vocab)
+        self.teacher = Teacher(norm.to(self.device), self.target_lm_head.float().to(self.device),
                                self.head.d2t.to(self.device), self.head.t2d.to(self.device), cfg.train.vocab_chunk)
         self.train_ids, self.holdout_ids = self.split(len(self.source.lengths))
         self.train_lengths = {i: self.source.lengths[i] for i in self.train_ids}
@@ -203,6 +208,15 @@ class Trainer:
                  "%d optimizer steps; rank %d of %d; features %s", len(self.train_ids), len(self.holdout_ids),
                  cfg.train.batching, self.batches_per_epoch, self.total_steps, self.rank, self.world,
                  "computed online by the target" if cfg.capture.mode == "online" else "from the feature store")
+
+    def served_vocabulary(self, vocab: DraftVocab) -> DraftVocab | None:
+        """The `train.served_vocab_size` most frequent tokens (the trained ones first), or None: serve as trained."""
+        size, limit = self.cfg.train.served_vocab_size, vocab.t2d_V.numel()
+        if size is None or size == vocab.size:
+            return None
+        if size > limit:
+            raise ConfigError(f"config field `train.served_vocab_size`: got {size}, the target has only {limit} tokens")
+        return build_draft_vocab(vocab.counts_V, size)
 
     def split(self, n: int) -> tuple[list[int], list[int]]:
         order = list(range(n))
@@ -266,9 +280,22 @@ class Trainer:
         state = {k.removeprefix("head."): v for k, v in state.items()}
         return head_from_state(head.config, state, "the gathered ZeRO-3 weights").to(self.device)
 
+    def served_snapshot(self):
+        """`head_snapshot`, widened to the served draft vocabulary when one is set (rank 0; None elsewhere)."""
+        head = self.head_snapshot()
+        if head is None or self.served_vocab is None:
+            return head
+        wide, fit_cos = widened(head, self.target_lm_head, self.served_vocab)
+        log.info("head widened from %d to %d draft tokens (shared drift map fits the trained rows with cosine %.3f)",
+                 head.config.draft_vocab_size, self.served_vocab.size, fit_cos)
+        return wide
+
+    def improves(self, metric: float) -> bool:
+        return self.state.best_metric is None or metric > self.state.best_metric
+
     def save_best(self, metric: float, name: str, head) -> None:
-        """Keep `head` (rank 0's snapshot) in ckpt/best/ when `metric` beats every earlier one (never rotated away)."""
-        if self.state.best_metric is not None and metric <= self.state.best_metric:
+        """Keep `head` (rank 0's served snapshot) in ckpt/best/ when `metric` beats every earlier one (never rotated away)."""
+        if not self.improves(metric):
             return
         self.state.best_metric, self.state.best_step = metric, self.state.step
         if self.rank == 0:
@@ -373,10 +400,10 @@ class Trainer:
         cfg, step, out = self.cfg.train, self.state.step, {}
         if step % cfg.ckpt_every == 0 or step == self.total_steps:
             out.update(self.evaluate_holdout())
-            if cfg.eval_every == 0 and "holdout/tau_sim" in out:
-                self.save_best(out["holdout/tau_sim"], "holdout/tau_sim", self.head_snapshot())
+            if cfg.eval_every == 0 and "holdout/tau_sim" in out and self.improves(out["holdout/tau_sim"]):
+                self.save_best(out["holdout/tau_sim"], "holdout/tau_sim", self.served_snapshot())
         if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == self.total_steps):
-            head = self.head_snapshot()
+            head = self.served_snapshot()
             if self.rank == 0:
                 head.eval()
                 result = self.tau_evaluator(head)
@@ -404,7 +431,7 @@ class Trainer:
         return m
 
     def finish(self, wandb_run) -> dict:
-        head = self.head_snapshot()
+        head = self.served_snapshot()
         final = self.ckpt_dir / "final"
         write_json(self.run_dir / "train" / f"samples-rank-{self.rank}.json",
                    {"rank": self.rank, "world": self.world, "micro_batches": self.consumed})
