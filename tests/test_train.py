@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from specdistill.capture.store import FeatureStore
 from specdistill.config import ConfigError, register, to_run_config
-from specdistill.data.vocab import DraftVocab
+from specdistill.data.vocab import DraftVocab, build_draft_vocab
 from specdistill.evaluate.bench import load_prompts
 from specdistill.heads import build_head, load_head
 from specdistill.target import load_target
@@ -214,8 +214,9 @@ def test_two_rank_deepspeed_run_on_cpu_splits_the_data_and_skips_bad_gradients(p
         seen = [{i for b in r["micro_batches"] if b["epoch"] == epoch for i in b["ids"]} for r in ranks]
         assert seen[0] and seen[1] and not seen[0] & seen[1], epoch
     cfg = compose_cfg(run_dir)
-    vocab = DraftVocab.load(run_dir / "data" / "vocab.safetensors")
-    fresh = build_head(cfg.head, load_target(cfg.target), vocab.d2t_N, vocab.t2d_V)
+    trained = DraftVocab.load(run_dir / "data" / "vocab.safetensors")
+    served = build_draft_vocab(trained.counts_V, cfg.train.served_vocab_size)  # what ckpt/final and best hold
+    fresh = build_head(cfg.head, load_target(cfg.target), served.d2t_N, served.t2d_V)
     for name in ("final", "best"):
         head = load_head(run_dir / "ckpt" / name)
         for key, value in head.state_dict().items():
