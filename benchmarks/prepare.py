@@ -1,7 +1,7 @@
 """Prepare-stage throughput: chat-template tokenization with loss masks, and local regeneration tokens/s
 against plain `model.generate` (greedy, same prompts, same batch size, same dtype).
 
-    python benchmarks/prepare.py                       # the embedded target, bf16, batch 32
+    python benchmarks/prepare.py                       # the embedded target, bf16 where native, batch 32
     python benchmarks/prepare.py --target random --prompts 16 --max-new-tokens 32
     python benchmarks/prepare.py --threads 1              # on a CPU shared with other jobs
 
@@ -21,7 +21,7 @@ import torch
 from specdistill.config import TargetConfig
 from specdistill.data.generate import LocalGenerator
 from specdistill.data.template import ChatFormat
-from specdistill.target import DTYPES, load_target
+from specdistill.target import AUTO_DTYPE, load_target, resolve_dtype
 
 
 def questions(n: int) -> list[str]:
@@ -59,7 +59,7 @@ def bench_generate(model, tokenizer, prompts: list[list[int]], stop: list[int], 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=TargetConfig().name)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default=AUTO_DTYPE, help="auto: bfloat16 where native, else float32")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=192)
@@ -69,7 +69,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     target = load_target(TargetConfig(name=args.target))
-    model = copy.deepcopy(target.model).to(DTYPES[args.dtype])
+    model = copy.deepcopy(target.model).to(resolve_dtype(args.dtype, "cpu"))
     chat = ChatFormat(target.tokenizer)
     texts = questions(args.prompts)
     conv_per_s, tok_per_s = bench_tokenize(chat, texts, repeats=3)

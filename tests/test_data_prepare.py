@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 
 from specdistill.config import register, to_run_config
 from specdistill.data.cache import ConversationCache
-from specdistill.data.prepare import SourceConversations, load_prepared, run
+from specdistill.data.prepare import SourceConversations, generation_model, load_prepared, run
 from specdistill.data.regenerate import row_key, sampling_params
 from specdistill.data.template import ChatFormat
 from specdistill.pipeline import LazyTarget
@@ -207,3 +207,16 @@ def test_real_embedded_target_synthesises_and_masks(tmp_path):
         masked = [i for i, m in zip(row["input_ids"], row["loss_mask"]) if m]
         answer = json.loads(row["messages"])[1]["content"]
         assert tok.decode(masked) == answer + "<|im_end|>"
+
+
+def test_generation_dtype_auto_is_bf16_only_where_it_is_native(prepared, monkeypatch):
+    """An AVX2-only CPU emulates bf16 (~5x slower than fp32), so `auto` regenerates in fp32 there."""
+    import specdistill.target
+
+    target = prepared[3]
+    assert specdistill.target.resolve_dtype("auto", "cuda") is torch.bfloat16
+    for native, dtype in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(specdistill.target, "bf16_is_native", lambda device, native=native: native)
+        model = generation_model(target, "auto")
+        assert next(model.parameters()).dtype == dtype
+        assert (model is target.model) == (dtype == torch.float32)  # the fp32 target is used as it is, not copied

@@ -38,7 +38,7 @@ from specdistill.heads.copy_init import init_copy_attention
 from specdistill.heads.widen import widened
 from specdistill.io import atomic_dir, save_tensors, write_json
 from specdistill.pipeline import redacted
-from specdistill.target import Target, TargetRunner
+from specdistill.target import Target, TargetRunner, bf16_is_native
 from specdistill.train.data import PLANS, OnlineSource, StoreSource, collate
 from specdistill.train.loss import LOSSES
 from specdistill.train.schedule import warmup_cosine
@@ -78,7 +78,7 @@ def resolve_precision(precision: str, deepspeed: str | None) -> str:
         return precision
     if torch.cuda.is_available():
         return "bf16"
-    return "bf16" if deepspeed is None and torch.ops.mkldnn._is_mkldnn_bf16_supported() else "no"
+    return "bf16" if deepspeed is None and bf16_is_native("cpu") else "no"
 
 
 def make_accelerator(cfg: RunConfig):
