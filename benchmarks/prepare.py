@@ -11,7 +11,6 @@ Baseline: `model.generate`. Ends with `RESULT ... regen_speedup=<ours / generate
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import time
 from importlib.resources import files
@@ -20,8 +19,9 @@ import torch
 
 from specdistill.config import TargetConfig
 from specdistill.data.generate import LocalGenerator
+from specdistill.data.prepare import generation_model
 from specdistill.data.template import ChatFormat
-from specdistill.target import AUTO_DTYPE, load_target, resolve_dtype
+from specdistill.target import AUTO_DTYPE, DTYPES, load_target
 
 
 def questions(n: int) -> list[str]:
@@ -59,7 +59,8 @@ def bench_generate(model, tokenizer, prompts: list[list[int]], stop: list[int], 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", default=TargetConfig().name)
-    parser.add_argument("--dtype", default=AUTO_DTYPE, help="auto: bfloat16 where native, else float32")
+    parser.add_argument("--dtype", default=AUTO_DTYPE, choices=[AUTO_DTYPE, *DTYPES],
+                        help="auto: bfloat16 where native, else float32")
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=192)
@@ -69,7 +70,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     target = load_target(TargetConfig(name=args.target))
-    model = copy.deepcopy(target.model).to(resolve_dtype(args.dtype, "cpu"))
+    model = generation_model(target, args.dtype)
     chat = ChatFormat(target.tokenizer)
     texts = questions(args.prompts)
     conv_per_s, tok_per_s = bench_tokenize(chat, texts, repeats=3)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+import specdistill.target
 from specdistill.config import register, to_run_config
 from specdistill.data.cache import ConversationCache
 from specdistill.data.prepare import SourceConversations, generation_model, load_prepared, run
@@ -211,8 +212,6 @@ def test_real_embedded_target_synthesises_and_masks(tmp_path):
 
 def test_generation_dtype_auto_is_bf16_only_where_it_is_native(prepared, monkeypatch):
     """An AVX2-only CPU emulates bf16 (~5x slower than fp32), so `auto` regenerates in fp32 there."""
-    import specdistill.target
-
     target = prepared[3]
     assert specdistill.target.resolve_dtype("auto", "cuda") is torch.bfloat16
     for native, dtype in ((True, torch.bfloat16), (False, torch.float32)):
