@@ -15,6 +15,24 @@ from omegaconf import DictConfig, OmegaConf
 STAGES = ("prepare", "capture", "train", "evaluate", "export")
 EMBEDDED_TARGET = "embedded:smollm2-135m-instruct"
 RANDOM_TARGET = "random"
+# The embedded default's question openers and document tasks (conf/data/synth.yaml says why).
+DEFAULT_OPENERS = (
+    "", "", "", "", "Write", "Write a short story", "Write an email", "Write a Python function", "Explain",
+    "How do I", "How does", "What is", "What are the benefits of", "Why", "Who", "Where", "When", "Can you",
+    "Give me", "List", "Describe", "Compare", "Solve", "Calculate", "If a", "A store", "Tom has", "Translate",
+    "Translate this sentence into English:", "Translate German to English:", "Imagine you are", "Summarize",
+    "Help me", "Correct the grammar",
+)
+DEFAULT_DOCUMENT_PROMPTS = (
+    "Summarize the following text.\n\n{document}", "{document}\n\nWrite a short summary of the text above.",
+    "Read the text below and explain its main point.\n\n{document}",
+    "Rewrite this text in simpler words:\n\n{document}", "Translate the following text into French:\n\n{document}",
+    "Translate the following text into German:\n\n{document}",
+    "Extract the key facts from this text as a list.\n\n{document}",
+    "Correct any mistakes in the following text and return the corrected version.\n\n{document}",
+    "Context:\n{document}\n\nUsing only the context above, what is the most important detail?",
+    "Continue this text with one more paragraph:\n\n{document}",
+)
 
 
 class ConfigError(ValueError):
@@ -50,7 +68,7 @@ class TargetConfig:
 class SynthConfig:
     """Magpie-style self-synthesis: the target writes the user turn, then answers it."""
 
-    num_conversations: int = 256
+    num_conversations: int = 2560
     question_max_tokens: int = 48
     question_temperature: float = 1.0
     question_top_p: float = 0.95
@@ -59,12 +77,12 @@ class SynthConfig:
     batch_size: int = 64  # rows decoded together; a CPU decode step costs about the same for 32 or 64
     # Each question starts from one of these openers, drawn uniformly ("" = free Magpie): steers the mix
     # of tasks (instructions, math, code, translation) without any seed dataset.
-    openers: list[str] = field(default_factory=lambda: [""])
+    openers: list[str] = field(default_factory=lambda: list(DEFAULT_OPENERS))
     # Share of conversations that work over a document the target wrote itself (one of the answers
     # above), through one of `document_prompts` ("{document}" marks where it goes): summarising,
     # rewriting, translating, answering from context; the head learns to copy from its context.
-    document_share: float = 0.0
-    document_prompts: list[str] = field(default_factory=lambda: ["Summarize the following text.\n\n{document}"])
+    document_share: float = 0.35
+    document_prompts: list[str] = field(default_factory=lambda: list(DEFAULT_DOCUMENT_PROMPTS))
     document_min_chars: int = 300
     # Answers joined into one document, in rotation over the documents ([1, 1, 6]: every third document
     # joins six): serving documents (retrieved passages, articles to summarise) run to a thousand tokens
@@ -130,7 +148,7 @@ class HeadConfig:
     num_key_value_heads: int | None = None
     head_dim: int | None = None
     init_lm_head_from_target: bool = True
-    copy_init: bool = False  # EAGLE-3: start one attention head per kv group as a copier (heads/copy_init.py)
+    copy_init: bool = True  # EAGLE-3: start one attention head per kv group as a copier (heads/copy_init.py)
     mtp_num_modules: int = 1  # MTP: 1 = one module applied recursively, k = k separate modules
 
 
@@ -139,13 +157,13 @@ class TrainConfig:
     ttt_steps: int = 4
     step_weight: float = 0.8
     loss: str = "forward_kl"  # forward_kl | hard_ce | reverse_kl | tv
-    lr: float = 3e-4
+    lr: float = 1e-3
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     warmup_ratio: float = 0.05
-    epochs: float = 3.0
+    epochs: float = 2.0
     max_steps: int | None = None
-    batch_tokens: int = 2048  # tokens per micro-batch (packed)
+    batch_tokens: int = 512  # tokens per micro-batch
     batching: str = "bucket"  # bucket: one sample per row, similar lengths | pack: documents share a row
     grad_accum: int = 1
     grad_clip: float = 0.5
@@ -157,13 +175,13 @@ class TrainConfig:
     max_bad_steps: int = 10
     holdout_share: float = 0.05
     vocab_chunk: int = 16384  # teacher logits are computed this many vocab columns at a time
-    served_vocab_size: int | None = None  # draft tokens of ckpt/best and ckpt/final (null: data.draft_vocab_size)
+    served_vocab_size: int | None = 32768  # draft tokens of ckpt/best and ckpt/final (null: data.draft_vocab_size)
 
 
 @dataclass
 class TreeConfig:
-    depth: int = 6
-    topk: int = 8
+    depth: int = 4
+    topk: int = 16
     num_draft_tokens: int = 60
 
 
@@ -194,7 +212,7 @@ class EvalConfig:
     branching: list[int] = field(default_factory=lambda: [4, 2, 2, 1, 1, 1])  # children per depth, sampled tree
     batch_size: int = 1
     tree: TreeConfig = field(default_factory=TreeConfig)
-    baselines: list[str] = field(default_factory=lambda: ["prompt_lookup", "chain"])
+    baselines: list[str] = field(default_factory=lambda: ["prompt_lookup"])  # and/or chain
     lookup_tokens: int = 5  # prompt lookup: draft chain length
     lookup_max_ngram: int = 3
     loop_limit: int = 4  # in-training tau: held-out prompts and tokens per prompt
@@ -205,7 +223,7 @@ class EvalConfig:
 
 @dataclass
 class ExportConfig:
-    formats: list[str] = field(default_factory=lambda: ["sglang"])
+    formats: list[str] = field(default_factory=lambda: ["sglang", "vllm"])
     dtype: str = "bfloat16"
 
 

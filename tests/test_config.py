@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
-from specdistill.config import ConfigError, register, to_run_config
+from specdistill.config import ConfigError, RunConfig, register, to_run_config
 from specdistill.pipeline import redacted, scrub_secrets
 from specdistill.target import TargetNotFound, check_capture_layers, resolve_layer_ids
 
@@ -35,6 +36,11 @@ def test_default_is_the_embedded_target_with_all_stages():
     assert check_capture_layers(cfg.target, "") == (1, 14, 26)
     assert cfg.head.copy_init and not compose_cfg("head=mtp").head.copy_init
     assert compose_cfg("+exp=llama8b").train.ttt_steps == 7  # EAGLE-3's unroll where deep drafts pay off
+
+
+def test_schema_defaults_are_the_embedded_default():
+    """Code that builds a RunConfig directly gets the same pipeline as `python train.py`."""
+    assert OmegaConf.structured(compose_cfg()) == OmegaConf.structured(RunConfig())
 
 
 @pytest.mark.parametrize(
