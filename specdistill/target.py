@@ -7,7 +7,9 @@ the capture hooks. Weights are read from safetensors or GGUF only, never unpickl
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
+import inspect
 import json
 import logging
 import os
@@ -272,12 +274,22 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     raise TypeError(f"cannot find the decoder layers of {type(model).__name__}")
 
 
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def with_kv_cache(model: nn.Module, cache) -> dict:
+    """The keyword arguments that hand a transformers model its KV cache: 5.2x renamed `past_key_values`
+    to `cache` (5.40 drops the old name), and older releases know only the old one."""
+    return {_cache_keyword(type(model)): cache, "use_cache": True}
+
+
 @dataclass
 class TargetOutput:
     aux_BTA: torch.Tensor  # cat of captured layer outputs, A = len(layer_ids) * H
     last_BTH: torch.Tensor  # output of the final decoder layer, before the final norm
     logits_BTV: torch.Tensor | None
-    past_key_values: object | None
 
 
 class TargetRunner:
@@ -300,12 +312,12 @@ class TargetRunner:
         return save
 
     @torch.inference_mode()
-    def __call__(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None,
+    def __call__(self, input_ids, attention_mask=None, position_ids=None, cache=None,
                  with_logits: bool = True) -> TargetOutput:
         handles = [self.layers[i].register_forward_hook(self._hook(i)) for i in self.wanted]
         try:
             out = self.base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            past_key_values=past_key_values, use_cache=past_key_values is not None)
+                            **(with_kv_cache(self.base, cache) if cache is not None else {"use_cache": False}))
         finally:
             for h in handles:
                 h.remove()
@@ -313,7 +325,7 @@ class TargetRunner:
         aux = torch.cat([captured[i] for i in self.target.layer_ids], dim=-1)
         last = captured[len(self.layers) - 1]
         logits = self.target.model.get_output_embeddings()(out.last_hidden_state) if with_logits else None
-        return TargetOutput(aux, last, logits, out.past_key_values)
+        return TargetOutput(aux, last, logits)
 
     def final_norm(self) -> nn.Module:
         return self.base.norm

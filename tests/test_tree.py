@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from specdistill.spec.tree import Tree, chain_tree, grow_dynamic_tree, static_tree
+from specdistill.target import with_kv_cache
 
 VOCAB = 12
 
@@ -89,10 +90,10 @@ def test_tree_forward_equals_each_path_as_a_sequence(tree, prefix_len, seed):
     B, N = tree.tokens.shape
     prefix = torch.randint(0, VOCAB, (B, prefix_len), generator=torch.Generator().manual_seed(seed))
     cache = DynamicCache()
-    model(input_ids=prefix, past_key_values=cache, use_cache=True)
+    model(input_ids=prefix, **with_kv_cache(model, cache))
     mask = torch.cat([torch.ones(B, N, prefix_len, dtype=torch.bool), tree.attention_mask()], -1)[:, None]
     tree_logits = model(input_ids=tree.tokens, attention_mask=mask, position_ids=tree.positions(prefix_len),
-                        past_key_values=cache, use_cache=True).logits
+                        **with_kv_cache(model, cache)).logits
     for b in range(B):
         parents = tree.parents[b].tolist()
         for i in range(N):

@@ -8,6 +8,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from specdistill.spec.kv import compact_cache, compact_kv
 from specdistill.spec.tree import Tree, grow_dynamic_tree, random_tree, static_tree
 from specdistill.spec.verify import verify_greedy, verify_rejection
+from specdistill.target import with_kv_cache
 
 V = 6
 DRAWS = 20_000
@@ -185,10 +186,9 @@ def test_compacted_cache_continues_like_a_plain_run():
     tree = random_tree(1, 12, V * 4, gen)
     prefix = torch.randint(0, V * 4, (1, 7), generator=gen)
     cache = DynamicCache()
-    model(input_ids=prefix, past_key_values=cache, use_cache=True)
+    model(input_ids=prefix, **with_kv_cache(model, cache))
     mask = torch.cat([torch.ones(1, 12, 7, dtype=torch.bool), tree.attention_mask()], -1)[:, None]
-    model(input_ids=tree.tokens, attention_mask=mask, position_ids=tree.positions(7), past_key_values=cache,
-          use_cache=True)
+    model(input_ids=tree.tokens, attention_mask=mask, position_ids=tree.positions(7), **with_kv_cache(model, cache))
     deepest = int(tree.depths[0].argmax())
     accept = accepted_path(tree, torch.tensor([deepest]))
     accept_len = (accept >= 0).sum(-1) - 1
@@ -196,7 +196,7 @@ def test_compacted_cache_continues_like_a_plain_run():
     assert new_length == cache.get_seq_length() == 7 + int(accept_len) + 1 and int(accept_len) >= 2
 
     next_token = torch.tensor([[3]])
-    continued = model(input_ids=next_token, past_key_values=cache, use_cache=True).logits[0, -1]
+    continued = model(input_ids=next_token, **with_kv_cache(model, cache)).logits[0, -1]
     path_tokens = tree.tokens[0, accept[0, : int(accept_len) + 1]]
     plain = model(input_ids=torch.cat([prefix[0], path_tokens, next_token[0]])[None]).logits[0, -1]
     torch.testing.assert_close(continued, plain, atol=1e-4, rtol=1e-4)

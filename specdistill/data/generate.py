@@ -24,6 +24,8 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from specdistill.target import with_kv_cache
+
 log = logging.getLogger(__name__)
 
 NUCLEUS_CANDIDATES = (256, 4096)  # top-k sizes tried before a full sort
@@ -183,7 +185,7 @@ class LocalGenerator:
         # The last position as an index tensor, not `logits_to_keep=1`: the int form hands lm_head a strided
         # view, and torch's CPU matmul then copies the whole lm_head weight once per row (~20x slower).
         out = self.model(input_ids=input_ids_BW, attention_mask=attention_BW, position_ids=positions_BW,
-                         past_key_values=cache, use_cache=True,
+                         **with_kv_cache(self.model, cache),
                          logits_to_keep=torch.tensor([width - 1], device=self.device))
         return _Running(list(rows), cache, attention_BW, positions_BW[:, -1] + 1, self._next_logits(out))
 
@@ -227,8 +229,8 @@ class LocalGenerator:
                     tokens_B = tokens_B[keep_B]
                 running.attention_BW = F.pad(running.attention_BW, (0, 1), value=1)
                 out = self.model(input_ids=tokens_B[:, None], attention_mask=running.attention_BW,
-                                 position_ids=running.next_pos_B[:, None], past_key_values=running.cache,
-                                 use_cache=True)
+                                 position_ids=running.next_pos_B[:, None],
+                                 **with_kv_cache(self.model, running.cache))
                 running.logits_BV = self._next_logits(out)
                 running.next_pos_B = running.next_pos_B + 1
         return [Generation(token_ids=g, finished=f) for g, f in zip(generated, finished)]

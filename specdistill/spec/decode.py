@@ -31,7 +31,7 @@ from specdistill.heads.layers import cached_attention
 from specdistill.spec.kv import compact_cache
 from specdistill.spec.tree import Tree, chain_tree, grow_dynamic_tree, static_tree
 from specdistill.spec.verify import Verdict, sampling_probs, verify_greedy, verify_rejection
-from specdistill.target import TargetOutput, TargetRunner
+from specdistill.target import TargetOutput, TargetRunner, with_kv_cache
 
 HEAD_SHAPES = ("tree", "chain", "sampled")
 
@@ -338,7 +338,7 @@ def speculative_generate(runner: TargetRunner, proposer, prompts: list[list[int]
     cache = DynamicCache()
     ids_BT, valid_BL = left_pad(prompts, pad_id, device)
     mask, positions = prefill_inputs(valid_BL)
-    out = runner(ids_BT, attention_mask=mask, position_ids=positions, past_key_values=cache)
+    out = runner(ids_BT, attention_mask=mask, position_ids=positions, cache=cache)
     stats.target_forwards += 1
     roots_B = sampling.pick(out.logits_BTV[:, -1], generator)
     committed_B = valid_BL.sum(1)
@@ -367,7 +367,7 @@ def speculative_generate(runner: TargetRunner, proposer, prompts: list[list[int]
         stats.draft_s += clock.lap()
         B, N, L = tree.batch_size, tree.num_nodes, valid_BL.shape[1]
         mask = torch.cat([valid_BL[:, None].expand(B, N, L), tree.attention_mask()], dim=2)[:, None]
-        out = runner(tree.tokens, attention_mask=mask, position_ids=tree.positions(committed_B), past_key_values=cache)
+        out = runner(tree.tokens, attention_mask=mask, position_ids=tree.positions(committed_B), cache=cache)
         stats.target_forwards += 1
         verdict = sampling.verify(tree, out.logits_BTV, generator)
         compact_cache(cache, L, verdict.accept_nodes, verdict.accept_len)
@@ -398,8 +398,8 @@ def plain_generate(model, prompts: list[list[int]], max_new_tokens: int, eos: se
     cache = DynamicCache()
     ids_BT, valid_BL = left_pad(prompts, pad_id, device)
     mask, positions_BT = prefill_inputs(valid_BL)
-    logits_BV = model(ids_BT, attention_mask=mask, position_ids=positions_BT, past_key_values=cache,
-                      use_cache=True, logits_to_keep=1).logits[:, -1]
+    logits_BV = model(ids_BT, attention_mask=mask, position_ids=positions_BT, **with_kv_cache(model, cache),
+                      logits_to_keep=1).logits[:, -1]
     committed_B = valid_BL.sum(1)
     tokens: list[list[int]] = [[] for _ in prompts]
     rows = list(range(len(prompts)))
@@ -419,6 +419,6 @@ def plain_generate(model, prompts: list[list[int]], max_new_tokens: int, eos: se
         valid_BL = torch.cat([valid_BL, torch.ones_like(valid_BL[:, :1])], 1)
         mask = valid_BL[:, None, None] if padded else None
         logits_BV = model(next_B[:, None], attention_mask=mask, position_ids=committed_B[:, None],
-                          past_key_values=cache, use_cache=True).logits[:, -1]
+                          **with_kv_cache(model, cache)).logits[:, -1]
         committed_B = committed_B + 1
     return [_trim(t, eos, max_new_tokens) for t in tokens]
