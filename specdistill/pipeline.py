@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from specdistill.config import RunConfig
 from specdistill.distributed import launch_device, leave_launch
 from specdistill.io import write_json
-from specdistill.target import Target, check_capture_layers, load_target, resolve_source
+from specdistill.target import Target, bf16_is_native, check_capture_layers, load_target, resolve_source
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,9 @@ class LazyTarget:
             log.info("loaded target %s (%d layers, capture %s) on %s in %.1fs", self._target.name,
                      self._target.config.num_hidden_layers, self._target.layer_ids, self._target.model.device,
                      time.time() - t0)
+            if not bf16_is_native(self._target.model.device):
+                log.warning("this CPU only emulates bf16 (no AVX512): regeneration and training run in fp32, "
+                            "several times slower than on a CPU with AMX or AVX512-BF16 or on a GPU")
         return self._target
 
 
