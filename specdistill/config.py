@@ -88,6 +88,14 @@ class SynthConfig:
     # joins six): serving documents (retrieved passages, articles to summarise) run to a thousand tokens
     # and more, longer than one answer, and the head must learn to copy across such distances.
     document_parts: list[int] = field(default_factory=lambda: [1])
+    # Conversations on top of the others that hand the target its own translation into another language (an
+    # answer to `back_translation_source`, one of `document_prompts`) in `back_translation_prompt`: Spec-Bench's
+    # translation prompts (a sixth of it) are German to translate, and self-written questions are almost never
+    # in German (1 in 511 of the default's), so without these the head never drafts from foreign text in context.
+    # About document_share * num_conversations / len(document_prompts) sources exist.
+    back_translations: int = 0
+    back_translation_source: str = "Translate the following text into German:\n\n{document}"
+    back_translation_prompt: str = "Translate German to English: {document}"
 
 
 @dataclass
@@ -303,6 +311,12 @@ def validate(cfg: RunConfig) -> None:
                f"{template[:60]!r} has no {{document}} placeholder")
     _check(synth.document_share == 0 or len(synth.document_prompts) > 0, "data.synth.document_prompts",
            "is empty but data.synth.document_share > 0")
+    _check(synth.back_translations >= 0, "data.synth.back_translations", "must be >= 0")
+    if synth.back_translations:
+        _check(synth.back_translation_source in synth.document_prompts, "data.synth.back_translation_source",
+               f"{synth.back_translation_source[:60]!r} is not one of data.synth.document_prompts")
+        _check("{document}" in synth.back_translation_prompt, "data.synth.back_translation_prompt",
+               f"{synth.back_translation_prompt[:60]!r} has no {{document}} placeholder")
     _check(0.0 <= cfg.data.max_reject_share <= 1.0, "data.max_reject_share", "must be in [0, 1]")
     _check(cfg.data.max_length >= 8, "data.max_length", "must be at least 8")
     _choice(cfg.capture.mode, ("offline", "online"), "capture.mode")

@@ -137,6 +137,26 @@ def test_resume_from_the_cache_generates_nothing_again(prepared, tmp_path):
     assert load_prepared(copy).samples["messages"] == load_prepared(out).samples["messages"]
 
 
+def test_back_translations_come_on_top_and_reuse_every_cached_batch(prepared, tmp_path):
+    cfg, out, _, _ = prepared
+    rows = [(json.loads(r["messages"]), json.loads(r["provenance"])) for r in load_prepared(out).samples]
+    documents = {p["row"]: m for m, p in rows if "document_of" in p}
+    source = next(p["document_prompt"] for m, p in rows if "document_of" in p)
+    copy = tmp_path / "data"
+    shutil.copytree(out / "cache", copy / "cache")
+    cfg2 = smoke_cfg(copy, *PREPARED)
+    cfg2.data.synth.back_translations, cfg2.data.synth.back_translation_source = 5, source
+    run(cfg2, LazyTarget(cfg2))
+    assert len(ConversationCache(copy / "cache")) == len(ConversationCache(out / "cache")) + 1  # one new batch
+    rows2 = [(json.loads(r["messages"]), json.loads(r["provenance"])) for r in load_prepared(copy).samples]
+    assert rows2[: len(rows)] == rows
+    back = rows2[len(rows):]
+    assert len(back) == sum(p["document_prompt"] == source for _, p in rows if "document_of" in p) > 0
+    for messages, provenance in back:
+        translated = documents[provenance["back_translation_of"]][1]["content"]
+        assert messages[0]["content"] == cfg2.data.synth.back_translation_prompt.replace("{document}", translated)
+
+
 def write_chats(path: Path, good: int, broken_at: int) -> list[dict]:
     """`good` ShareGPT rows, with a row lacking its text inserted as line `broken_at`; returns the good rows."""
     rows = [{"conversations": [{"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": "old"}]}

@@ -8,6 +8,8 @@ and duplicate questions are rejected; attempts continue until enough unique conv
 a cap on attempts. A share of the conversations then works over a document: one of the target's own
 long answers, placed in a document prompt (summarise, rewrite, translate, answer from it), so the
 head also learns the copying from context that summarisation and retrieval workloads are made of.
+Optionally, some of its translations into another language come back to be translated again (back
+translations), so prompts also hold foreign text, as translation workloads do.
 Every batch is cached, so a killed run resumes without generating anything twice.
 """
 
@@ -53,7 +55,8 @@ def synthesize(generator: LocalGenerator, chat: ChatFormat, synth: SynthConfig, 
     num_documents = round(synth.num_conversations * synth.document_share)
     conversations = run.question_conversations(synth.num_conversations - num_documents)
     if num_documents:
-        conversations += run.document_conversations(conversations, num_documents)
+        documents = run.document_conversations(conversations, num_documents)
+        conversations += documents + run.back_translation_conversations(documents)
     return conversations, run.rejects
 
 
@@ -72,9 +75,11 @@ class _Synthesis:
 
     @property
     def params(self) -> dict:
-        """Everything in the config that changes what is generated (part of every cache key)."""
+        """Everything in the config that changes what is generated (part of every cache key). The back
+        translations' settings change only the texts of their own batches, which their keys hold."""
         g = self.generation
-        return {"synth": asdict(self.synth), "temperature": g.temperature, "top_p": g.top_p}
+        synth = {k: v for k, v in asdict(self.synth).items() if not k.startswith("back_translation")}
+        return {"synth": synth, "temperature": g.temperature, "top_p": g.top_p}
 
     def question_conversations(self, wanted: int) -> list[dict]:
         prefix_ids = self.chat.user_prefix_ids()
@@ -135,14 +140,35 @@ class _Synthesis:
             template = templates[(first_template[d] + reuse) % len(templates)]
             items.append((f"document {i}", template.replace("{document}", document),
                           {"document_of": source_rows, "document_prompt": template}))
+        return self._answer_all("documents", items)
+
+    def back_translation_conversations(self, documents: list[dict]) -> list[dict]:
+        """`synth.back_translations` conversations, each the answer of one `back_translation_source` document
+        task (the target's own translation) put in `back_translation_prompt`."""
+        synth = self.synth
+        if not synth.back_translations:
+            return []
+        sources = [c for c in documents if c["provenance"]["document_prompt"] == synth.back_translation_source]
+        if len(sources) < synth.back_translations:
+            log.warning("only %d document tasks asked %r: %d back translations instead of %d (raise "
+                        "data.synth.document_share)", len(sources), synth.back_translation_source[:40], len(sources),
+                        synth.back_translations)
+        prompt = synth.back_translation_prompt
+        items = [(f"back translation {i}", prompt.replace("{document}", c["messages"][1]["content"]),
+                  {"back_translation_of": c["provenance"]["row"], "back_translation_prompt": prompt})
+                 for i, c in enumerate(sources[: synth.back_translations])]
+        return self._answer_all("back-translations", items)
+
+    def _answer_all(self, kind: str, items: list[tuple[str, str, dict]]) -> list[dict]:
+        """The target answers the items in cached chunks of eight batches; the key holds the chunk's texts."""
         out: list[dict] = []
-        chunk = 8 * synth.batch_size
-        for start in range(0, wanted, chunk):
+        chunk = 8 * self.synth.batch_size
+        for start in range(0, len(items), chunk):
             part = items[start : start + chunk]
-            key = content_key("synth-documents", self.target_name, self.params, self.seed,
+            key = content_key(f"synth-{kind}", self.target_name, self.params, self.seed,
                               [text for _, text, _ in part])
-            out += self._cached(key, partial(self._answer, part, self.seed + start, f"documents {start // chunk}"))
-            log.info("document tasks: %d of %d conversations", len(out), wanted)
+            out += self._cached(key, partial(self._answer, part, self.seed + start, f"{kind} {start // chunk}"))
+            log.info("%s: %d of %d conversations", kind, len(out), len(items))
         return out
 
     def _cached(self, key: str, make) -> list[dict]:
