@@ -52,6 +52,7 @@ def test_schema_defaults_are_the_embedded_default():
      ("data.synth.document_parts=[1,0]", "data.synth.document_parts"),
      ("data.synth.document_parts=[]", "data.synth.document_parts"),
      ("head=mtp head.copy_init=true", "head.copy_init"),
+     ("head.copy_init=false head.copy_slow_pairs_only=true", "head.copy_slow_pairs_only"),
      ("data.synth.back_translations=9 data.synth.back_translation_source=Nope", "data.synth.back_translation_source"),
      ("data.synth.back_translations=9 data.synth.back_translation_prompt=German", "data.synth.back_translation_prompt"),
      ("train.served_vocab_size=100", "train.served_vocab_size")],

@@ -20,6 +20,7 @@ from specdistill.config import ConfigError, register, to_run_config
 from specdistill.data.vocab import DraftVocab, build_draft_vocab
 from specdistill.evaluate.bench import load_prompts
 from specdistill.heads import build_head, load_head
+from specdistill.heads.copy_init import copy_query_heads, slow_dims
 from specdistill.target import load_target
 from specdistill.train.data import OnlineSource, StoreSource
 from specdistill.train.trainer import Trainer, deepspeed_config, load_tau_evaluator, make_accelerator
@@ -50,6 +51,17 @@ def compose_cfg(run_dir: Path, *overrides: str):
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         return to_run_config(compose(config_name="config", overrides=[
             "+exp=smoke", f"run_root={run_dir.parent}", f"name={run_dir.name}", *overrides]))
+
+
+def assert_copy_queries_kept_off_fast_pairs(head) -> None:
+    """The copy heads' query rows outside rotary's slowest pairs are still exactly zero after training,
+    while the same rows of the other query heads are not."""
+    E = head.config.arch.head_dim
+    fast = [d for d in range(E) if d not in slow_dims(E)]
+    rows_NED = head.midlayer.self_attn.q_proj.weight.detach().view(-1, E, head.midlayer.self_attn.q_proj.in_features)
+    for q_head in range(len(rows_NED)):
+        held = rows_NED[q_head, fast].abs().max() == 0
+        assert held == (q_head in copy_query_heads(head)), q_head
 
 
 RESUME_ARGS = ["stages=[train]", "train.max_steps=12", "train.ckpt_every=3", "train.keep_last=2", "train.grad_accum=2"]
@@ -117,7 +129,7 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(prepared, tmp_path):
 def test_online_features_match_the_store_and_train(prepared, tmp_path):
     run_dir = run_dir_from(prepared, tmp_path, "online")
     shutil.rmtree(run_dir / "features")
-    cfg = compose_cfg(run_dir, "capture=online", "train.max_steps=3")
+    cfg = compose_cfg(run_dir, "capture=online", "train.max_steps=3", "head.copy_slow_pairs_only=true")
     target = load_target(cfg.target)
     stored = StoreSource(FeatureStore(prepared / "features"))
     online = OnlineSource(run_dir / "data" / "samples", target, "last", 32, "cpu")
@@ -130,6 +142,7 @@ def test_online_features_match_the_store_and_train(prepared, tmp_path):
         torch.testing.assert_close(a["last"].to(torch.bfloat16).float(), b["last"].float(), atol=1e-2, rtol=1e-2)
     result = Trainer(cfg, target).fit()
     assert result["steps"] == 3 and (run_dir / "ckpt" / "final" / "head.safetensors").exists()
+    assert_copy_queries_kept_off_fast_pairs(load_head(run_dir / "ckpt" / "final"))
     assert not (run_dir / "features").exists()
 
 
@@ -203,7 +216,7 @@ def test_two_rank_deepspeed_run_on_cpu_splits_the_data_and_skips_bad_gradients(p
     run_dir = run_dir_from(prepared, tmp_path, stage)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--main_process_port", "29533", "tests/deepspeed_bad_gradient.py", str(run_dir),
-           f"train.deepspeed={stage}", "train.max_steps=3", "train.grad_accum=2"]
+           f"train.deepspeed={stage}", "train.max_steps=3", "train.grad_accum=2", "head.copy_slow_pairs_only=true"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400, env=ENV)
     assert proc.returncode == 0, proc.stderr[-4000:]
     reports = [json.loads((run_dir / f"bad-gradient-rank-{r}.json").read_text()) for r in (0, 1)]
@@ -221,4 +234,5 @@ def test_two_rank_deepspeed_run_on_cpu_splits_the_data_and_skips_bad_gradients(p
         head = load_head(run_dir / "ckpt" / name)
         for key, value in head.state_dict().items():
             assert value.shape == fresh.state_dict()[key].shape and torch.isfinite(value.float()).all(), (name, key)
+        assert_copy_queries_kept_off_fast_pairs(head)
     assert (run_dir / "ckpt" / "step-0000003").is_dir()

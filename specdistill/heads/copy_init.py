@@ -13,8 +13,10 @@ head can fetch it. So, before training, the first query head of each key/value g
 - value at j: the embedding of x[j+1] (what the step at j is given), which `o_proj` writes back into
   the residual along a direction the lm_head ranks that token first in.
 
-Each group matches on other coordinates. Training then adjusts everything; the rest of the layer keeps
-its random start, and the random part of `fc` is scaled down so the decoded identity leads at first.
+Each group matches on other coordinates. Training then adjusts everything (with
+`head.copy_slow_pairs_only`, all but the copy queries' other rotary pairs: `keep_copy_queries_on_slow_pairs`);
+the rest of the layer keeps its random start, and the random part of `fc` is scaled down so the decoded
+identity leads at first.
 """
 
 from __future__ import annotations
@@ -30,6 +32,19 @@ SLOW_SHARE = 3 / 8  # of the rotary pairs, the slowest, used for the match (12 o
 MATCH_SCALE = 1.0  # on queries and keys: a soft start that training sharpens (8,192 draft tokens: tau 2.39 at 1, 2.26 at 2;
 #                    on the document_parts=2 data, 2.33 at both 1 and 0.6)
 FC_RANDOM_SCALE = 0.1  # the random part of fc, beside the decoded token identity
+
+
+def slow_dims(head_dim: int) -> list[int]:
+    """Head dims of rotary's slowest SLOW_SHARE of pairs (both halves of each pair)."""
+    half = head_dim // 2
+    pairs = max(1, int(half * SLOW_SHARE))
+    return list(range(half - pairs, half)) + list(range(head_dim - pairs, head_dim))
+
+
+def copy_query_heads(head: Eagle3Head) -> list[int]:
+    """The copy heads: the first query head of each key/value group."""
+    arch = head.config.arch
+    return list(range(0, arch.num_attention_heads, arch.num_attention_heads // arch.num_key_value_heads))
 
 
 def whitened_basis(normed_VD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,10 +98,7 @@ def init_copy_attention(head: Eagle3Head, samples: Iterable[dict[str, torch.Tens
                          "reads the target's embedding); set head.copy_init=false")
     arch = head.config.arch
     D, E, K = arch.hidden_size, arch.head_dim, arch.num_key_value_heads
-    group = arch.num_attention_heads // K
-    half = E // 2
-    pairs = max(1, int(half * SLOW_SHARE))
-    slow = list(range(half - pairs, half)) + list(range(E - pairs, E))
+    slow = slow_dims(E)
     m = len(slow)
 
     normed = head.midlayer.input_layernorm(head.embed_tokens.weight)  # what the query reads
@@ -102,8 +114,7 @@ def init_copy_attention(head: Eagle3Head, samples: Iterable[dict[str, torch.Tens
     head.fc.weight.copy_(fc)
 
     attn = head.midlayer.self_attn
-    for g in range(K):
-        q_head = g * group
+    for g, q_head in enumerate(copy_query_heads(head)):
         coords = (match_scale * match_DM[:, g * m:(g + 1) * m].T).float()  # [m, D]
         key_rows = [g * E + d for d in slow]
         attn.k_proj.weight[key_rows] = torch.cat([torch.zeros_like(coords), coords], dim=1)
@@ -113,3 +124,20 @@ def init_copy_attention(head: Eagle3Head, samples: Iterable[dict[str, torch.Tens
         attn.v_proj.weight[g * E:(g + 1) * E, :D] = value_in_DR[:, g * E:(g + 1) * E].T.float()
         attn.o_proj.weight[:, q_head * E:(q_head + 1) * E] = value_out_RD[g * E:(g + 1) * E].T.float()
     return fit_r2
+
+
+def keep_copy_queries_on_slow_pairs(head: Eagle3Head) -> torch.utils.hooks.RemovableHandle:
+    """Zero the gradient of the copy heads' query rows outside rotary's slowest pairs, for all of training.
+
+    Those rows start at zero, and with no gradient AdamW never moves them (weight decay keeps zero at
+    zero), so the copy match stays nearly blind to distance: trained freely, the copy queries put weight
+    on the fast pairs and copy badly from beyond the longest training sample (README, `pf`). The weights
+    stay a plain EAGLE-3 layer: engines see no difference."""
+    arch = head.config.arch
+    E = arch.head_dim
+    slow = set(slow_dims(E))
+    fast = [d for d in range(E) if d not in slow]
+    mask = torch.ones_like(head.midlayer.self_attn.q_proj.weight)
+    for q_head in copy_query_heads(head):
+        mask[[q_head * E + d for d in fast]] = 0
+    return head.midlayer.self_attn.q_proj.weight.register_hook(lambda grad: grad * mask.to(grad))

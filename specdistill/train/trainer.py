@@ -34,7 +34,7 @@ from specdistill.config import ConfigError, RunConfig
 from specdistill.data.vocab import DraftVocab, build_draft_vocab
 from specdistill.distributed import rank_and_world
 from specdistill.heads import build_head, head_from_state, save_head
-from specdistill.heads.copy_init import init_copy_attention
+from specdistill.heads.copy_init import init_copy_attention, keep_copy_queries_on_slow_pairs
 from specdistill.heads.widen import widened
 from specdistill.io import atomic_dir, save_tensors, write_json
 from specdistill.pipeline import redacted
@@ -190,6 +190,8 @@ class Trainer:
             one_at_a_time = (s for i in self.train_ids[:COPY_INIT_SAMPLES] for s in self.source.samples([i]))
             fit_r2 = init_copy_attention(self.head, one_at_a_time)
             log.info("copy heads initialised (token identity read from the features with R^2 %.2f)", fit_r2)
+        if cfg.head.copy_slow_pairs_only:
+            keep_copy_queries_on_slow_pairs(self.head)
         self.batches_per_epoch = max(1, len(self.plan(self.train_lengths, cfg.train.batch_tokens, cfg.seed, 0)) // self.world)
         self.total_steps = cfg.train.max_steps or max(1, int(cfg.train.epochs * self.batches_per_epoch) // cfg.train.grad_accum)
         params = [p for p in self.head.parameters() if p.requires_grad]
