@@ -20,7 +20,7 @@ from specdistill.config import ConfigError, register, to_run_config
 from specdistill.data.vocab import DraftVocab, build_draft_vocab
 from specdistill.evaluate.bench import load_prompts
 from specdistill.heads import build_head, load_head
-from specdistill.heads.copy_init import copy_query_heads, slow_dims
+from specdistill.heads.copy_init import copy_query_heads, fast_dims
 from specdistill.target import load_target
 from specdistill.train.data import OnlineSource, StoreSource
 from specdistill.train.trainer import Trainer, deepspeed_config, load_tau_evaluator, make_accelerator
@@ -57,7 +57,7 @@ def assert_copy_queries_kept_off_fast_pairs(head) -> None:
     """The copy heads' query rows outside rotary's slowest pairs are still exactly zero after training,
     while the same rows of the other query heads are not."""
     E = head.config.arch.head_dim
-    fast = [d for d in range(E) if d not in slow_dims(E)]
+    fast = fast_dims(E)
     rows_NED = head.midlayer.self_attn.q_proj.weight.detach().view(-1, E, head.midlayer.self_attn.q_proj.in_features)
     for q_head in range(len(rows_NED)):
         held = rows_NED[q_head, fast].abs().max() == 0

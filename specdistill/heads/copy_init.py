@@ -41,6 +41,12 @@ def slow_dims(head_dim: int) -> list[int]:
     return list(range(half - pairs, half)) + list(range(head_dim - pairs, head_dim))
 
 
+def fast_dims(head_dim: int) -> list[int]:
+    """The other head dims: the rotary pairs a position-free copy query leaves at zero."""
+    slow = set(slow_dims(head_dim))
+    return [d for d in range(head_dim) if d not in slow]
+
+
 def copy_query_heads(head: Eagle3Head) -> list[int]:
     """The copy heads: the first query head of each key/value group."""
     arch = head.config.arch
@@ -133,11 +139,15 @@ def keep_copy_queries_on_slow_pairs(head: Eagle3Head) -> torch.utils.hooks.Remov
     zero), so the copy match stays nearly blind to distance: trained freely, the copy queries put weight
     on the fast pairs and copy badly from beyond the longest training sample (README, `pf`). The weights
     stay a plain EAGLE-3 layer: engines see no difference."""
-    arch = head.config.arch
-    E = arch.head_dim
-    slow = set(slow_dims(E))
-    fast = [d for d in range(E) if d not in slow]
-    mask = torch.ones_like(head.midlayer.self_attn.q_proj.weight)
+    E = head.config.arch.head_dim
+    weight = head.midlayer.self_attn.q_proj.weight
+    mask = torch.ones_like(weight)
     for q_head in copy_query_heads(head):
-        mask[[q_head * E + d for d in fast]] = 0
-    return head.midlayer.self_attn.q_proj.weight.register_hook(lambda grad: grad * mask.to(grad))
+        mask[[q_head * E + d for d in fast_dims(E)]] = 0
+
+    def zero_fast_pairs(grad: torch.Tensor) -> torch.Tensor:
+        nonlocal mask
+        mask = mask.to(grad)  # moved once: the head reaches its device after this hook is set
+        return grad * mask
+
+    return weight.register_hook(zero_fast_pairs)
