@@ -13,8 +13,9 @@ from specdistill.config import AdviceConfig, EvalConfig, HeadConfig, TargetConfi
 from specdistill.evaluate import metrics
 from specdistill.evaluate.advice import ModelCost, advise, expected_speedup, expected_tau, topks
 from specdistill.evaluate.bench import evaluated_indices, held_out_prompts, load_items, load_prompts
-from specdistill.evaluate.run import evaluate_head_tau
+from specdistill.evaluate.run import Tally, evaluate_head_tau
 from specdistill.heads import build_head, save_head
+from specdistill.spec.decode import GenerationStats
 from specdistill.target import load_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,6 +148,19 @@ def smoke_head(tmp_path_factory):
     return target, head, directory
 
 
+def test_tally_splits_per_depth_acceptance_by_copy_rounds():
+    # prompt 1 2 3 4 5 6 1 2: the first round starts on 3, completing (1, 2, 3) again, and copies 4 5 6
+    # (accepted 3); the next two start on 7 and 8, new 3-grams, and accept 0 and 1
+    prompt, output, accepted = [1, 2, 3, 4, 5, 6, 1, 2], [3, 4, 5, 6, 7, 8, 9], [3, 0, 1]
+    stats = GenerationStats(tokens=[output], accepted=[accepted])
+    tally = Tally(depth=4)
+    tally.add(stats, 1.0, [output], [prompt], [None])
+    report = tally.report(baseline_wall_s=1.0, greedy=True)
+    assert report["accept_per_depth_conditional_copy"] == [1.0, 1.0, 1.0, 0.0]
+    assert report["accept_per_depth_conditional_elsewhere"] == [0.5, 0.0, 0.0, 0.0]
+    assert report["copy_round_share"] == pytest.approx(1 / 3) and report["lossless_mismatches"] == 0
+
+
 def test_in_loop_tau_on_held_out_prompts(smoke_head):
     target, head, _ = smoke_head
     head.train()
@@ -208,6 +222,10 @@ def test_acceptance_cli_writes_the_report_contract(smoke_head, tmp_path):
     assert (out / "acceptance.png").stat().st_size > 0
     summary = (out / "summary.md").read_text()
     assert "| tau by category | chat | math |" in summary and "95% interval over prompts [" in summary
+    lookup = report["baselines"]["prompt_lookup"]
+    assert "| drafter | copy rounds | elsewhere |" in summary and (
+        "| prompt_lookup | " + " | ".join(" ".join(f"{a:.2f}" for a in lookup[f"accept_per_depth_conditional_{kind}"])
+                                          for kind in ("copy", "elsewhere")) + " |") in summary
     assert "## Serving advice" in summary and "| 256 |" in summary and "prompt_lookup" in summary
     assert "Model check: the head tree (depth 3, top-k 4, 12" in summary and "Model check: the chain (depth 3" in summary
 

@@ -35,13 +35,17 @@ def summary_markdown(r: dict) -> str:
              "| speedup | target forwards | acceptance per depth |",
              "|---|---|---|---|---|---|---|---|"]
     for name, m in methods(r).items():
-        depths = " ".join(f"{a:.2f}" for a in m["accept_per_depth"])
         ratio = f"{m['head_ratio']:.2f}x {_interval(m['head_ratio_ci'])}" if "head_ratio" in m else "-"
         lines.append(f"| {name} | {m['tau']:.2f} {_interval(m['tau_ci'])} | {ratio} | {m['tau_copy']:.2f} "
-                     f"| {m['tau_elsewhere']:.2f} | {m['speedup']:.2f}x | {m['target_forwards']} | {depths} |")
+                     f"| {m['tau_elsewhere']:.2f} | {m['speedup']:.2f}x | {m['target_forwards']} | {_depths(m['accept_per_depth'])} |")
     lines += ["", "Intervals: bootstrap over the prompts, each draw resampling the same prompts for every drafter.",
               "", f"Copy rounds ({r['copy_round_share']:.0%} of the head's rounds) start on a token that completes a "
-              "3-gram already in the context: where copying from the context pays most."]
+              "3-gram already in the context: where copying from the context pays most.",
+              "", "Acceptance at each depth given the path reached the depth before (copy rounds | the rest): "
+              "whether a drafter loses a copy at its first token or deeper in the span.", "",
+              "| drafter | copy rounds | elsewhere |", "|---|---|---|"]
+    lines += [f"| {name} | {_depths(m['accept_per_depth_conditional_copy'])} "
+              f"| {_depths(m['accept_per_depth_conditional_elsewhere'])} |" for name, m in methods(r).items()]
     if r.get("tau_by_category"):
         categories = list(r["tau_by_category"])
         lines += ["", "Per benchmark category (the rows' `category` field): where a drafter wins and where it loses.", "",
@@ -50,6 +54,10 @@ def summary_markdown(r: dict) -> str:
                   for name, m in methods(r).items()]
     text = "\n".join(lines) + "\n"
     return text + ("\n" + advice_markdown(r["serving_advice"]) if r.get("serving_advice") else "")
+
+
+def _depths(shares: list[float]) -> str:
+    return " ".join(f"{a:.2f}" for a in shares)
 
 
 def _interval(bounds: list[float]) -> str:

@@ -123,11 +123,15 @@ class Tally:
         self.verify_s += stats.verify_s
         self.mismatches += sum(t != r for t, r in zip(stats.tokens, reference))
 
+    def split_rounds(self) -> tuple[list[int], list[int]]:
+        """Accepted counts of the copy rounds and of the others."""
+        copied = [a for a, c in zip(self.accepted, self.copy_rounds) if c]
+        return copied, [a for a, c in zip(self.accepted, self.copy_rounds) if not c]
+
     def tau_split(self) -> dict:
         """tau over all rounds, over copy rounds, over the rest, the copy rounds' share, and tau per benchmark
         category (where the rows name one)."""
-        copied = [a for a, c in zip(self.accepted, self.copy_rounds) if c]
-        elsewhere = [a for a, c in zip(self.accepted, self.copy_rounds) if not c]
+        copied, elsewhere = self.split_rounds()
         named = sorted({c for c in self.categories if c is not None})
         by_category = {name: metrics.tau([a for a, c in zip(self.accepted, self.categories) if c == name])
                        for name in named}
@@ -136,10 +140,14 @@ class Tally:
                 "tau_by_category": by_category}
 
     def report(self, baseline_wall_s: float, greedy: bool) -> dict:
+        copied, elsewhere = self.split_rounds()
         return {
             **self.tau_split(),
             "accept_per_depth": metrics.accept_per_depth(self.accepted, self.depth),
             "accept_per_depth_conditional": metrics.accept_per_depth_conditional(self.accepted, self.depth),
+            # where a drafter loses its copies: at the first token, or deeper in the span
+            "accept_per_depth_conditional_copy": metrics.accept_per_depth_conditional(copied, self.depth),
+            "accept_per_depth_conditional_elsewhere": metrics.accept_per_depth_conditional(elsewhere, self.depth),
             "new_tokens": self.new_tokens,
             "target_forwards": self.target_forwards,
             "wall_s": round(self.wall_s, 3),
