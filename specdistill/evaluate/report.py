@@ -37,7 +37,8 @@ def summary_markdown(r: dict) -> str:
     for name, m in methods(r).items():
         ratio = f"{m['head_ratio']:.2f}x {_interval(m['head_ratio_ci'])}" if "head_ratio" in m else "-"
         lines.append(f"| {name} | {m['tau']:.2f} {_interval(m['tau_ci'])} | {ratio} | {m['tau_copy']:.2f} "
-                     f"| {m['tau_elsewhere']:.2f} | {m['speedup']:.2f}x | {m['target_forwards']} | {_depths(m['accept_per_depth'])} |")
+                     f"| {m['tau_elsewhere']:.2f} | {m['speedup']:.2f}x | {m['target_forwards']} "
+                     f"| {_depths(m['accept_per_depth'])} |")
     lines += ["", "Intervals: bootstrap over the prompts, each draw resampling the same prompts for every drafter.",
               "", f"Copy rounds ({r['copy_round_share']:.0%} of the head's rounds) start on a token that completes a "
               "3-gram already in the context: where copying from the context pays most.",
