@@ -158,6 +158,7 @@ class HeadConfig:
     init_lm_head_from_target: bool = True
     copy_init: bool = True  # EAGLE-3: start one attention head per kv group as a copier (heads/copy_init.py)
     copy_slow_pairs_only: bool = False  # keep the copiers' queries on rotary's slowest pairs while training
+    freeze_lm_head: bool = False  # keep the lm_head at the target's rows (EAGLE-1's choice): no per-token rows to overfit
     mtp_num_modules: int = 1  # MTP: 1 = one module applied recursively, k = k separate modules
 
 
@@ -329,6 +330,8 @@ def validate(cfg: RunConfig) -> None:
     _choice(cfg.head.kind, ("eagle3", "mtp"), "head.kind")
     _check(not cfg.head.copy_init or cfg.head.kind == "eagle3", "head.copy_init", "applies to EAGLE-3 heads only")
     _check(not cfg.head.copy_slow_pairs_only or cfg.head.copy_init, "head.copy_slow_pairs_only", "needs head.copy_init=true")
+    _check(not cfg.head.freeze_lm_head or cfg.head.init_lm_head_from_target, "head.freeze_lm_head",
+           "needs head.init_lm_head_from_target=true (a frozen lm_head must start as the target's)")
     _check(cfg.train.ttt_steps >= 1, "train.ttt_steps", "must be at least 1")
     _check(0.0 < cfg.train.step_weight <= 1.0, "train.step_weight", "must be in (0, 1]")
     _choice(cfg.train.loss, ("forward_kl", "hard_ce", "reverse_kl", "tv"), "train.loss")

@@ -57,6 +57,14 @@ def test_export_and_checkpoint_are_safetensors(smoke_run):
 def test_wandb_logs_offline_and_no_secret_is_written(smoke_run):
     run_dir, proc, _ = smoke_run
     assert list((run_dir / "wandb").glob("offline-run-*"))
+    tables = list((run_dir / "eval" / "wandb").glob("offline-run-*/files/media/table/eval/acceptance_*.table.json"))
+    assert len(tables) == 1, tables
+    table = json.loads(tables[0].read_text())
+    report = json.loads((run_dir / "eval" / "report.json").read_text())
+    row = dict(zip(table["columns"], table["data"][0]))
+    assert row["drafter"] == "head tree" and row["tau"] == pytest.approx(report["tau"])
+    assert row["accept_per_depth_conditional_copy"] == str(
+        [round(a, 3) for a in report["accept_per_depth_conditional_copy"]])
     assert "secret-key-never-written" not in (run_dir / "config.json").read_text()
     assert "secret-key-never-written" not in proc.stdout + proc.stderr
 

@@ -146,6 +146,23 @@ def test_online_features_match_the_store_and_train(prepared, tmp_path):
     assert not (run_dir / "features").exists()
 
 
+def test_a_frozen_lm_head_stays_the_targets_rows_while_the_rest_trains(prepared, tmp_path):
+    run_dir = run_dir_from(prepared, tmp_path, "frozen")
+    cfg = compose_cfg(run_dir, "train.max_steps=3", "head.freeze_lm_head=true")
+    target = load_target(cfg.target)
+    trainer = Trainer(cfg, target)
+    head = trainer.head
+    draft_ids = head.draft_to_target(torch.arange(head.config.draft_vocab_size))
+    target_rows = target.model.get_output_embeddings().weight.detach()[draft_ids].to(head.lm_head.weight.dtype)
+    fc_before = head.fc.weight.detach().clone()
+    assert torch.equal(head.lm_head.weight, target_rows)
+    assert trainer.fit()["steps"] == 3
+    assert torch.equal(head.lm_head.weight, target_rows)
+    assert not torch.equal(head.fc.weight, fc_before)
+    with pytest.raises(ConfigError, match="head.freeze_lm_head"):
+        compose_cfg(run_dir, "head.freeze_lm_head=true", "head.init_lm_head_from_target=false")
+
+
 def test_in_loop_tau_keeps_the_best_head_and_packing_trains(prepared, tmp_path):
     run_dir = run_dir_from(prepared, tmp_path, "best")
     cfg = compose_cfg(run_dir, "train.batching=pack", "train.eval_every=2", "train.max_steps=6",

@@ -95,13 +95,14 @@ def log_wandb(report: dict, wandb: WandbConfig, out_dir: Path, name: str) -> Non
 
     run = wb.init(project=wandb.project, entity=wandb.entity, mode=wandb.mode, dir=str(out_dir), name=name,
                   job_type="eval", reinit="finish_previous")
+    depths = ["accept_per_depth", "accept_per_depth_conditional_copy", "accept_per_depth_conditional_elsewhere"]
     columns = ["drafter", "tau", "tau_ci", "head_ratio", "head_ratio_ci", "tau_copy", "tau_elsewhere", "speedup",
-               "target_forwards", "new_tokens", "accept_per_depth", "tau_by_category"]
+               "target_forwards", "new_tokens", *depths, "tau_by_category"]
     table = wb.Table(columns=columns)
     for drafter, m in methods(report).items():
         table.add_data(drafter, m["tau"], str(m["tau_ci"]), m.get("head_ratio"), str(m.get("head_ratio_ci")),
                        m["tau_copy"], m["tau_elsewhere"], m["speedup"], m["target_forwards"],
-                       m["new_tokens"], str([round(a, 3) for a in m["accept_per_depth"]]),
+                       m["new_tokens"], *(str([round(a, 3) for a in m[key]]) for key in depths),
                        str({c: round(t, 3) for c, t in m["tau_by_category"].items()}))
     logged = {"eval/acceptance": table, "eval/tau": report["tau"], "eval/speedup": report["speedup"]}
     if report.get("serving_advice"):

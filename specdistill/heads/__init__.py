@@ -71,6 +71,11 @@ def build_head(head_cfg: HeadConfig, target, d2t: torch.Tensor, t2d: torch.Tenso
         else None
     )
     head.init_from_target(embed, lm_head, d2t, t2d)
+    if head_cfg.freeze_lm_head:
+        if lm_head is None:
+            raise ValueError(f"config field `head.freeze_lm_head`: the head is {config.arch.hidden_size} wide and the "
+                             f"target {tc.hidden_size}, so there are no target rows to freeze it at")
+        head.lm_head.weight.requires_grad_(False)
     return head
 
 
