@@ -128,10 +128,10 @@ class Tally:
         copied = [a for a, c in zip(self.accepted, self.copy_rounds) if c]
         return copied, [a for a, c in zip(self.accepted, self.copy_rounds) if not c]
 
-    def tau_split(self) -> dict:
+    def tau_split(self, split: tuple[list[int], list[int]] | None = None) -> dict:
         """tau over all rounds, over copy rounds, over the rest, the copy rounds' share, and tau per benchmark
-        category (where the rows name one)."""
-        copied, elsewhere = self.split_rounds()
+        category (where the rows name one). split: `split_rounds()`, where the caller has it already."""
+        copied, elsewhere = split or self.split_rounds()
         named = sorted({c for c in self.categories if c is not None})
         by_category = {name: metrics.tau([a for a, c in zip(self.accepted, self.categories) if c == name])
                        for name in named}
@@ -142,7 +142,7 @@ class Tally:
     def report(self, baseline_wall_s: float, greedy: bool) -> dict:
         copied, elsewhere = self.split_rounds()
         return {
-            **self.tau_split(),
+            **self.tau_split((copied, elsewhere)),
             "accept_per_depth": metrics.accept_per_depth(self.accepted, self.depth),
             "accept_per_depth_conditional": metrics.accept_per_depth_conditional(self.accepted, self.depth),
             # where a drafter loses its copies: at the first token, or deeper in the span

@@ -137,7 +137,7 @@ def keep_copy_queries_on_slow_pairs(head: Eagle3Head) -> torch.utils.hooks.Remov
 
     Those rows start at zero, and with no gradient AdamW never moves them (weight decay keeps zero at
     zero), so the copy match stays nearly blind to distance: trained freely, the copy queries put weight
-    on the fast pairs and copy badly from beyond the longest training sample (README, `pf`). The weights
+    on the fast pairs and copy badly from beyond the longest training sample (docs/results.md, `pf`). The weights
     stay a plain EAGLE-3 layer: engines see no difference."""
     E = head.config.arch.head_dim
     weight = head.midlayer.self_attn.q_proj.weight

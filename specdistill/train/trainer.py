@@ -47,7 +47,7 @@ from specdistill.train.ttt import TTTBatch, TTTResult, teacher_rows, unroll_ttt
 
 log = logging.getLogger(__name__)
 DEEPSPEED_DIR = Path(__file__).resolve().parents[2] / "conf" / "deepspeed"
-COPY_INIT_SAMPLES = 40  # training samples the copy heads' token read-out is fitted on (1,000: the same tau, README)
+COPY_INIT_SAMPLES = 40  # training samples the copy heads' token read-out is fitted on (1,000: the same tau, docs/results.md)
 
 
 class TTTModel(nn.Module):
