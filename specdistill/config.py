@@ -141,6 +141,7 @@ class DataConfig:
 class CaptureConfig:
     mode: str = "offline"  # offline: feature store on disk | online: the target runs inside training
     dtype: str = "bfloat16"  # store dtype: bfloat16 | float32
+    target_dtype: str = "float32"  # the target's compute dtype while capturing: float32 | bfloat16 | float16 | auto
     teacher: str = "last"  # last: store the last hidden state | topk: store top-k log-probs + ids
     teacher_topk: int = 32
     shard_tokens: int = 32768  # tokens per shard file
@@ -294,6 +295,7 @@ def validate(cfg: RunConfig) -> None:
         _choice(stage, STAGES, "stages")
     _choice(cfg.target.dtype, ("float32", "bfloat16", "float16"), "target.dtype")
     _choice(cfg.data.generation.dtype, ("auto", "float32", "bfloat16", "float16"), "data.generation.dtype")
+    _choice(cfg.capture.target_dtype, ("auto", "float32", "bfloat16", "float16"), "capture.target_dtype")
     _choice(cfg.data.source, ("synth", "jsonl", "hf"), "data.source")
     _choice(cfg.data.format, ("auto", "sharegpt", "messages", "ultrachat", "turns"), "data.format")
     _choice(cfg.data.overlong, ("truncate", "drop"), "data.overlong")

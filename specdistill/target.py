@@ -7,6 +7,8 @@ the capture hooks. Weights are read from safetensors or GGUF only, never unpickl
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import importlib.metadata
 import inspect
@@ -15,7 +17,6 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -53,7 +54,7 @@ class TargetNotFound(RuntimeError):
     """The target's weights are not on this machine (and could not be fetched)."""
 
 
-@dataclass
+@dataclasses.dataclass
 class Target:
     model: nn.Module  # a transformers causal LM, eval mode, frozen
     tokenizer: object
@@ -85,6 +86,16 @@ class Target:
         rendered = self.tokenizer.apply_chat_template([{"role": "user", "content": user_text}],
                                                       add_generation_prompt=True, tokenize=False)
         return self.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+def computing_in(target: Target, dtype_name: str) -> Target:
+    """The target computing in `dtype_name` (`auto`: bfloat16 where native): itself when it already does, else a
+    copy. Stages that need no fp32 exactness (regeneration, capture) run ~3x faster in native bf16 on a CPU."""
+    weight = next(target.model.parameters())
+    dtype = resolve_dtype(dtype_name, weight.device)
+    if weight.dtype == dtype:
+        return target
+    return dataclasses.replace(target, model=copy.deepcopy(target.model).to(dtype))
 
 
 def default_layer_ids(num_layers: int) -> tuple[int, int, int]:
@@ -285,7 +296,7 @@ def with_kv_cache(model: nn.Module, cache) -> dict:
     return {_cache_keyword(type(model)): cache, "use_cache": True}
 
 
-@dataclass
+@dataclasses.dataclass
 class TargetOutput:
     aux_BTA: torch.Tensor  # cat of captured layer outputs, A = len(layer_ids) * H
     last_BTH: torch.Tensor  # output of the final decoder layer, before the final norm

@@ -142,6 +142,26 @@ def test_skip_when_same_recapture_when_changed(tmp_path, target):
     assert len(list(capture_run.features_dir(cfg).glob("shard-*"))) == result["shards"]
 
 
+def test_target_dtype_captures_in_bf16_and_is_part_of_the_store_key(tmp_path, target):
+    """capture.target_dtype=bfloat16 runs a bf16 copy of the target (the fp32 one stays as it is for the
+    evaluation's lossless check); its store is not mistaken for the fp32 one, and its features are close."""
+    cfg = small_cfg(tmp_path)
+    make_samples(cfg, LENGTHS)
+    capture_run.run(cfg, target)
+    fp32 = FeatureStore(capture_run.features_dir(cfg))
+    fp32_aux = [fp32.sample(i)["aux"].float() for i in range(len(fp32))]
+    cfg.capture.target_dtype = "bfloat16"
+    assert not capture_run.run(cfg, target)["skipped"]
+    bf16 = FeatureStore(capture_run.features_dir(cfg))
+    assert bf16.manifest["target_dtype"] == "bfloat16"
+    assert next(target.get().model.parameters()).dtype == torch.float32
+    for i, ref in enumerate(fp32_aux):
+        got = bf16.sample(i)["aux"].float()
+        assert not torch.equal(got, ref)  # computed in bf16, not only stored in it
+        torch.testing.assert_close(got, ref, rtol=0.1, atol=0.1)
+    assert capture_run.run(cfg, target)["skipped"]
+
+
 def test_corrupted_and_truncated_shards_are_named(tmp_path, target):
     cfg = small_cfg(tmp_path)
     make_samples(cfg, LENGTHS)

@@ -36,7 +36,7 @@ from specdistill.capture.store import (
 )
 from specdistill.config import RunConfig
 from specdistill.distributed import join_launch
-from specdistill.target import Target, TargetRunner
+from specdistill.target import Target, TargetRunner, computing_in
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +258,7 @@ def run(cfg: RunConfig, target) -> dict:
     rank, world, device = join_launch()
     where = samples_dir(cfg)
     ds = load_samples(where)
-    loaded = target.get()
+    loaded = computing_in(target.get(), cfg.capture.target_dtype)
     scan = scan_samples(ds, where, loaded.vocab_size)
     header = store_header(loaded, cfg, scan.fingerprint)
     existing = _existing_store(out_dir, header)

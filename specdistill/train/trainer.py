@@ -38,7 +38,7 @@ from specdistill.heads.copy_init import init_copy_attention, keep_copy_queries_o
 from specdistill.heads.widen import widened
 from specdistill.io import atomic_dir, save_tensors, write_json
 from specdistill.pipeline import redacted
-from specdistill.target import Target, TargetRunner, bf16_is_native
+from specdistill.target import Target, TargetRunner, bf16_is_native, computing_in
 from specdistill.train.data import PLANS, OnlineSource, StoreSource, collate
 from specdistill.train.loss import LOSSES
 from specdistill.train.schedule import warmup_cosine
@@ -168,8 +168,8 @@ class Trainer:
         self.device = self.accelerator.device
         vocab = DraftVocab.load(self.run_dir / "data" / "vocab.safetensors")
         if cfg.capture.mode == "online":
-            self.source = OnlineSource(samples_dir(cfg), target, cfg.capture.teacher, cfg.capture.teacher_topk,
-                                       self.device)
+            self.source = OnlineSource(samples_dir(cfg), computing_in(target, cfg.capture.target_dtype),
+                                       cfg.capture.teacher, cfg.capture.teacher_topk, self.device)
         else:
             store = FeatureStore(self.run_dir / "features")
             store.check_compatible(target.name, list(target.layer_ids), target.hidden_size, cfg.capture.teacher)
