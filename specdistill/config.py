@@ -159,7 +159,7 @@ class HeadConfig:
     init_lm_head_from_target: bool = True
     copy_init: bool = True  # EAGLE-3: start one attention head per kv group as a copier (heads/copy_init.py)
     copy_slow_pairs_only: bool = False  # keep the copiers' queries on rotary's slowest pairs while training
-    freeze_lm_head: bool = False  # keep the lm_head at the target's rows (EAGLE-1's choice): no per-token rows to overfit
+    freeze_lm_head: bool = True  # keep the lm_head at the target's rows (EAGLE-1's choice): no per-token rows to overfit
     mtp_num_modules: int = 1  # MTP: 1 = one module applied recursively, k = k separate modules
 
 

@@ -75,6 +75,7 @@ def test_a_fresh_head_copies_after_the_copy_initialisation():
 def test_copy_initialisation_needs_an_eagle3_head_as_wide_as_the_target():
     target = tiny_target()
     d2t, t2d = torch.zeros(VOCAB, dtype=torch.long), torch.ones(VOCAB, dtype=torch.bool)
-    head = build_head(HeadConfig(hidden_size=32, num_attention_heads=2, head_dim=16), target, d2t, t2d)
+    narrow = HeadConfig(hidden_size=32, num_attention_heads=2, head_dim=16, freeze_lm_head=False)
+    head = build_head(narrow, target, d2t, t2d)
     with pytest.raises(ValueError, match="head.copy_init"):
         init_copy_attention(head, repeated_samples(target, 2, seed=1))

@@ -74,7 +74,8 @@ def build_head(head_cfg: HeadConfig, target, d2t: torch.Tensor, t2d: torch.Tenso
     if head_cfg.freeze_lm_head:
         if lm_head is None:
             raise ValueError(f"config field `head.freeze_lm_head`: the head is {config.arch.hidden_size} wide and the "
-                             f"target {tc.hidden_size}, so there are no target rows to freeze it at")
+                             f"target {tc.hidden_size}, so there are no target rows to freeze it at: set "
+                             "head.freeze_lm_head=false to train the head's own")
         head.lm_head.weight.requires_grad_(False)
     return head
 
