@@ -15,6 +15,7 @@ from hydra import compose, initialize_config_dir
 import specdistill.target
 from specdistill.config import register, to_run_config
 from specdistill.data.cache import ConversationCache
+from specdistill.data.generate import LocalGenerator
 from specdistill.data.prepare import SourceConversations, generation_model, load_prepared, run
 from specdistill.data.regenerate import row_key, sampling_params
 from specdistill.data.template import ChatFormat
@@ -135,6 +136,26 @@ def test_resume_from_the_cache_generates_nothing_again(prepared, tmp_path):
     finally:
         NoGeneration.restore()
     assert load_prepared(copy).samples["messages"] == load_prepared(out).samples["messages"]
+
+
+def test_more_conversations_generate_only_the_new_ones(tmp_path):
+    """A run that asks for more conversations reuses every synthesis attempt a smaller run finished."""
+    grow = ("data.synth.batch_size=1", "data.synth.document_share=0")  # attempts of 8 questions, no documents
+    small = smoke_cfg(tmp_path / "small", *grow, "data.synth.num_conversations=10")
+    target = LazyTarget(small)
+    run(small, target)
+    big = smoke_cfg(tmp_path / "big", *grow, "data.synth.num_conversations=20")
+    shutil.copytree(tmp_path / "small" / "cache", tmp_path / "big" / "cache")
+    calls = []
+    original = LocalGenerator.generate
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(LocalGenerator, "generate",
+                      lambda self, *args, **kwargs: calls.append(kwargs["desc"]) or original(self, *args, **kwargs))
+        run(big, target)
+    assert "questions 0" not in calls and "answers 0" not in calls  # attempt 0 was whole in the small run
+    assert "answers 1" in calls  # the small run answered only part of attempt 1
+    small_rows, big_rows = (load_prepared(tmp_path / d).samples["messages"] for d in ("small", "big"))
+    assert len(big_rows) == 20 and big_rows[:8] == small_rows[:8]
 
 
 def test_back_translations_come_on_top_and_reuse_every_cached_batch(prepared, tmp_path):

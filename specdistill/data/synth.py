@@ -10,7 +10,8 @@ long answers, placed in a document prompt (summarise, rewrite, translate, answer
 head also learns the copying from context that summarisation and retrieval workloads are made of.
 Optionally, some of its translations into another language come back to be translated again (back
 translations), so prompts also hold foreign text, as translation workloads do.
-Every batch is cached, so a killed run resumes without generating anything twice.
+Every batch is cached, so a killed run resumes without generating anything twice, and a run that asks
+for more conversations than an earlier one generates only the new ones.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import math
 import random
 import re
 from dataclasses import asdict, dataclass, field
-from functools import partial
 
 from specdistill.config import GenerationConfig, SynthConfig
 from specdistill.data.cache import ConversationCache, content_key
@@ -32,6 +32,9 @@ from specdistill.data.template import ChatFormat
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS_PER_NEEDED = 4  # cap: at most 4x the attempts that would do without any reject, plus 2
+# Settings that decide only how many conversations are made or which texts are answered (which the batches'
+# keys hold): they stay out of the cache keys, so a grown data set reuses every batch a smaller one made.
+COUNT_OR_TEXT_SETTINGS = ("num_conversations", "document_", "back_translation")
 
 
 def normalized(text: str) -> str:
@@ -75,31 +78,27 @@ class _Synthesis:
 
     @property
     def params(self) -> dict:
-        """Everything in the config that changes what is generated (part of every cache key). The back
-        translations' settings change only the texts of their own batches, which their keys hold."""
+        """The settings that change what a batch generates from its inputs (part of every cache key)."""
         g = self.generation
-        synth = {k: v for k, v in asdict(self.synth).items() if not k.startswith("back_translation")}
+        synth = {k: v for k, v in asdict(self.synth).items() if not k.startswith(COUNT_OR_TEXT_SETTINGS)}
         return {"synth": synth, "temperature": g.temperature, "top_p": g.top_p}
 
     def question_conversations(self, wanted: int) -> list[dict]:
-        prefix_ids = self.chat.user_prefix_ids()
         conversations: list[dict] = []
         seen: set[str] = set()
-        # An attempt samples a little more questions than needed (for rejects), up to eight batches, and
-        # answers them in one continuously batched call (each call ends by draining its batch, so fewer calls
-        # waste fewer decode steps); each attempt is one cache entry.
+        # An attempt samples eight batches of questions and answers the new ones still needed in one
+        # continuously batched call (each call ends by draining its batch, so fewer calls waste fewer decode
+        # steps). Questions are cached by attempt, answers by their texts: attempts a smaller run finished
+        # are all reused.
         chunk = 8 * self.synth.batch_size
         max_attempts = MAX_ATTEMPTS_PER_NEEDED * math.ceil(wanted / chunk) + 2
         for attempt in range(max_attempts):
             needed = wanted - len(conversations)
             if needed <= 0:
                 break
-            asked = min(chunk, needed + needed // 8 + 1)
-            key = content_key("synth", self.target_name, self.params, self.seed, attempt, asked, needed)
-            batch = self._cached(key, partial(self._question_batch, prefix_ids, attempt, asked, needed, seen))
-            for kept in batch:
-                seen.add(normalized(kept["messages"][0]["content"]))
-                conversations.append(kept)
+            items = self._new_questions(attempt, chunk, seen)[:needed]
+            seen.update(normalized(text) for _, text, _ in items)
+            conversations += self._answer_cached("answers", items, self.seed + attempt, f"answers {attempt}")
             log.info("synthesis attempt %d: %d of %d conversations", attempt, len(conversations), wanted)
         if len(conversations) < wanted:
             log.warning("synthesis stopped after %d attempts with %d of %d conversations (rejects: %s)",
@@ -164,51 +163,63 @@ class _Synthesis:
         out: list[dict] = []
         chunk = 8 * self.synth.batch_size
         for start in range(0, len(items), chunk):
-            part = items[start : start + chunk]
-            key = content_key(f"synth-{kind}", self.target_name, self.params, self.seed,
-                              [text for _, text, _ in part])
-            out += self._cached(key, partial(self._answer, part, self.seed + start, f"{kind} {start // chunk}"))
+            out += self._answer_cached(kind, items[start : start + chunk], self.seed + start,
+                                       f"{kind} {start // chunk}")
             log.info("%s: %d of %d conversations", kind, len(out), len(items))
         return out
 
-    def _cached(self, key: str, make) -> list[dict]:
-        """A batch's conversations, made by `make() -> {conversations, rejects}` unless already cached; its
+    def _answer_cached(self, kind: str, items: list[tuple[str, str, dict]], seed: int, desc: str) -> list[dict]:
+        """`_answer(items)`'s conversations, from the cache where these texts were answered before; the
         rejects join `self.rejects`."""
+        key = content_key(f"synth-{kind}", self.target_name, self.params, self.seed, seed,
+                          [text for _, text, _ in items])
         batch = self.cache.get(key)
         if batch is None:
-            batch = make()
+            batch = self._answer(items, seed, desc)
             self.cache.put(key, batch)
         for rejected in batch["rejects"]:
             self.rejects.add("synth", rejected["position"], RowError(rejected["reason"], rejected["detail"]))
         return batch["conversations"]
 
-    def _question_batch(self, prefix_ids: list[int], attempt: int, asked: int, needed: int, seen: set[str]) -> dict:
-        """One attempt: sample `asked` questions, filter them, answer up to `needed` of them."""
+    def _new_questions(self, attempt: int, asked: int, seen: set[str]) -> list[tuple[str, str, dict]]:
+        """The attempt's `asked` sampled questions (cached) as (position, text, provenance), less the empty,
+        short and already seen ones, which go to the rejects."""
+        synth = self.synth
+        key = content_key("synth-questions", self.target_name, self.params, self.seed, attempt, asked)
+        sampled = self.cache.get(key)
+        if sampled is None:
+            sampled = self._sample_questions(attempt, asked)
+            self.cache.put(key, sampled)
+        batch_seen = set(seen)
+        accepted = []
+        for row, q in enumerate(sampled["questions"]):
+            position = f"attempt {attempt} row {row}"
+            try:
+                check_question(q["text"], synth.min_question_chars, batch_seen)
+            except RowError as err:
+                self.rejects.add("synth", position, err)
+                continue
+            batch_seen.add(normalized(q["text"]))
+            accepted.append((position, q["text"],
+                             {"opener": q["opener"], "question_finished": q["finished"],
+                              "question_sampling": {"temperature": synth.question_temperature,
+                                                    "top_p": synth.question_top_p,
+                                                    "max_tokens": synth.question_max_tokens}}))
+        return accepted
+
+    def _sample_questions(self, attempt: int, asked: int) -> dict:
+        """`asked` user turns the target writes after the template's user prefix and a drawn opener."""
         synth, tokenizer = self.synth, self.chat.tokenizer
         pick = random.Random(self.seed * 1_000_003 + attempt)
         openers = [pick.choice(synth.openers).strip() for _ in range(asked)]
+        prefix_ids = self.chat.user_prefix_ids()
         prompts = [prefix_ids + (tokenizer.encode(o, add_special_tokens=False) if o else []) for o in openers]
         questions = self.generator.generate(prompts, synth.question_max_tokens,
                                             temperature=synth.question_temperature, top_p=synth.question_top_p,
                                             seed=self.seed * 1_000_003 + attempt, desc=f"questions {attempt}")
-        batch_seen = set(seen)
-        accepted, rejects = [], []
-        for row, (opener, q) in enumerate(zip(openers, questions)):
-            text = (opener + tokenizer.decode(q.token_ids, skip_special_tokens=True)).strip()
-            try:
-                check_question(text, synth.min_question_chars, batch_seen)
-            except RowError as err:
-                rejects.append({"position": f"attempt {attempt} row {row}", "reason": err.reason,
-                                "detail": err.detail})
-                continue
-            batch_seen.add(normalized(text))
-            accepted.append((f"attempt {attempt} row {row}", text,
-                             {"opener": opener, "question_finished": q.finished,
-                              "question_sampling": {"temperature": synth.question_temperature,
-                                                    "top_p": synth.question_top_p,
-                                                    "max_tokens": synth.question_max_tokens}}))
-        answered = self._answer(accepted[:needed], self.seed + attempt, f"answers {attempt}")
-        return {"conversations": answered["conversations"], "rejects": rejects + answered["rejects"]}
+        return {"questions": [{"opener": opener, "finished": q.finished,
+                               "text": (opener + tokenizer.decode(q.token_ids, skip_special_tokens=True)).strip()}
+                              for opener, q in zip(openers, questions)]}
 
     def _answer(self, items: list[tuple[str, str, dict]], seed: int, desc: str) -> dict:
         """The target answers each (position, user text, provenance) item; empty answers are rejects."""
