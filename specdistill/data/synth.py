@@ -11,7 +11,8 @@ head also learns the copying from context that summarisation and retrieval workl
 Optionally, some of its translations into another language come back to be translated again (back
 translations), so prompts also hold foreign text, as translation workloads do.
 Every batch is cached, so a killed run resumes without generating anything twice, and a run that asks
-for more conversations than an earlier one generates only the new ones.
+for more conversations than an earlier one reuses every question-and-answer attempt it finished (the
+document tasks are drawn anew from the larger pool of answers).
 """
 
 from __future__ import annotations
