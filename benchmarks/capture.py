@@ -113,7 +113,7 @@ def main() -> None:
     print(
         f"capture (top-{args.topk:<3d}) {topk_tps:10.0f} tok/s   {topk_store.bytes_per_token():8.1f} B/token"
     )
-    print(f"capture (last), bf16 target {bf16_tps:10.0f} tok/s")
+    print(f"capture (bf16)    {bf16_tps:10.0f} tok/s   (the last-state capture, a bf16 copy of the target)")
     print(f"anchor layout     8*H = {anchor_bytes} B/token")
     print(
         f"RESULT capture_over_forward={last_tps / forward_tps:.3f} "
