@@ -97,7 +97,7 @@ class _Synthesis:
             needed = wanted - len(conversations)
             if needed <= 0:
                 break
-            items = self._new_questions(attempt, chunk, seen)[:needed]
+            items = self._new_questions(attempt, chunk, needed, seen)
             seen.update(normalized(text) for _, text, _ in items)
             conversations += self._answer_cached("answers", items, self.seed + attempt, f"answers {attempt}")
             log.info("synthesis attempt %d: %d of %d conversations", attempt, len(conversations), wanted)
@@ -182,9 +182,9 @@ class _Synthesis:
             self.rejects.add("synth", rejected["position"], RowError(rejected["reason"], rejected["detail"]))
         return batch["conversations"]
 
-    def _new_questions(self, attempt: int, asked: int, seen: set[str]) -> list[tuple[str, str, dict]]:
-        """The attempt's `asked` sampled questions (cached) as (position, text, provenance), less the empty,
-        short and already seen ones, which go to the rejects."""
+    def _new_questions(self, attempt: int, asked: int, needed: int, seen: set[str]) -> list[tuple[str, str, dict]]:
+        """Up to `needed` of the attempt's `asked` sampled questions (cached) as (position, text, provenance),
+        in order; the empty, short and already seen ones before them go to the rejects."""
         synth = self.synth
         key = content_key("synth-questions", self.target_name, self.params, self.seed, attempt, asked)
         sampled = self.cache.get(key)
@@ -194,6 +194,8 @@ class _Synthesis:
         batch_seen = set(seen)
         accepted = []
         for row, q in enumerate(sampled["questions"]):
+            if len(accepted) == needed:
+                break
             position = f"attempt {attempt} row {row}"
             try:
                 check_question(q["text"], synth.min_question_chars, batch_seen)
