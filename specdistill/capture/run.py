@@ -36,7 +36,7 @@ from specdistill.capture.store import (
 )
 from specdistill.config import RunConfig
 from specdistill.distributed import join_launch
-from specdistill.target import Target, TargetRunner, computing_in
+from specdistill.target import Target, TargetRunner, computing_in, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -145,14 +145,14 @@ def weights_fingerprint(model: torch.nn.Module, head: int = 256) -> str:
     return digest.hexdigest()
 
 
-def store_header(target: Target, cfg: RunConfig, data_fingerprint: str) -> dict:
+def store_header(target: Target, cfg: RunConfig, data_fingerprint: str, compute_dtype: torch.dtype) -> dict:
     """Everything a store's contents depend on; a store whose header differs is captured again."""
     c = cfg.capture
     return {
         "target_name": target.name,
         "target_revision": target.revision,
         "target_fingerprint": weights_fingerprint(target.model),
-        "target_dtype": str(next(target.model.parameters()).dtype).removeprefix("torch."),
+        "target_dtype": str(compute_dtype).removeprefix("torch."),
         "layer_ids": [int(i) for i in target.layer_ids],
         "hidden_size": target.hidden_size,
         "vocab_size": target.vocab_size,
@@ -258,9 +258,10 @@ def run(cfg: RunConfig, target) -> dict:
     rank, world, device = join_launch()
     where = samples_dir(cfg)
     ds = load_samples(where)
-    loaded = computing_in(target.get(), cfg.capture.target_dtype)
+    loaded = target.get()
     scan = scan_samples(ds, where, loaded.vocab_size)
-    header = store_header(loaded, cfg, scan.fingerprint)
+    compute_dtype = resolve_dtype(cfg.capture.target_dtype, device)
+    header = store_header(loaded, cfg, scan.fingerprint, compute_dtype)
     existing = _existing_store(out_dir, header)
     _barrier(world)
     if existing is not None:
@@ -295,7 +296,7 @@ def run(cfg: RunConfig, target) -> dict:
     )
     if loaded.model.device != device:
         loaded.model.to(device)
-    runner = TargetRunner(loaded)
+    runner = TargetRunner(computing_in(loaded, str(compute_dtype).removeprefix("torch.")))  # a copy only now
     todo_tokens = sum(scan.lengths[i] for k in mine for i in plan[k])
     with tqdm(
         total=todo_tokens, unit="tok", unit_scale=True, desc=f"capture rank {rank}", position=rank
