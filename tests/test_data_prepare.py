@@ -139,23 +139,34 @@ def test_resume_from_the_cache_generates_nothing_again(prepared, tmp_path):
 
 
 def test_more_conversations_generate_only_the_new_ones(tmp_path):
-    """A run that asks for more conversations reuses every synthesis attempt a smaller run finished."""
+    """A run that asks for more conversations reuses every question and answer a smaller run made, answering
+    only the rest of an attempt the smaller run needed only part of; a smaller run reads a larger one's."""
     grow = ("data.synth.batch_size=1", "data.synth.document_share=0")  # attempts of 8 questions, no documents
-    small = smoke_cfg(tmp_path / "small", *grow, "data.synth.num_conversations=10")
-    target = LazyTarget(small)
-    run(small, target)
-    big = smoke_cfg(tmp_path / "big", *grow, "data.synth.num_conversations=20")
-    shutil.copytree(tmp_path / "small" / "cache", tmp_path / "big" / "cache")
-    calls = []
-    original = LocalGenerator.generate
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(LocalGenerator, "generate",
-                      lambda self, *args, **kwargs: calls.append(kwargs["desc"]) or original(self, *args, **kwargs))
-        run(big, target)
-    assert "questions 0" not in calls and "answers 0" not in calls  # attempt 0 was whole in the small run
-    assert "answers 1" in calls  # the small run answered only part of attempt 1
-    small_rows, big_rows = (load_prepared(tmp_path / d).samples["messages"] for d in ("small", "big"))
-    assert len(big_rows) == 20 and big_rows[:8] == small_rows[:8]
+    target, original = None, LocalGenerator.generate
+
+    def prepare(name: str, count: int, cache_from: str | None = None) -> tuple[list[str], list[tuple[str, int]]]:
+        """Prepare `count` conversations; returns their rows' provenance and the generate calls (desc, prompts)."""
+        nonlocal target
+        cfg = smoke_cfg(tmp_path / name, *grow, f"data.synth.num_conversations={count}")
+        target = target or LazyTarget(cfg)
+        if cache_from:
+            shutil.copytree(tmp_path / cache_from / "cache", tmp_path / name / "cache")
+        calls = []
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(LocalGenerator, "generate", lambda self, prompts, *args, **kwargs:
+                          calls.append((kwargs["desc"], len(prompts))) or original(self, prompts, *args, **kwargs))
+            run(cfg, target)
+        return [json.loads(p)["row"] for p in load_prepared(tmp_path / name).samples["provenance"]], calls
+
+    small, _ = prepare("small", 10)
+    big, calls = prepare("big", 20, cache_from="small")
+    assert len(big) == 20 and big[:10] == small
+    in_attempt_1 = [sum(row.startswith("attempt 1 ") for row in rows) for rows in (small, big)]
+    assert 0 < in_attempt_1[0] < in_attempt_1[1]  # the small run needed only part of attempt 1
+    assert not [desc for desc, _ in calls if desc in ("questions 0", "answers 0", "questions 1")]
+    assert ("answers 1", in_attempt_1[1] - in_attempt_1[0]) in calls  # only the rest of attempt 1
+    fewer, calls = prepare("fewer", 6, cache_from="small")  # part of what a cached answer batch holds
+    assert calls == [] and fewer == small[:6]
 
 
 def test_back_translations_come_on_top_and_reuse_every_cached_batch(prepared, tmp_path):

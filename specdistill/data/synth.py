@@ -11,8 +11,9 @@ head also learns the copying from context that summarisation and retrieval workl
 Optionally, some of its translations into another language come back to be translated again (back
 translations), so prompts also hold foreign text, as translation workloads do.
 Every batch is cached, so a killed run resumes without generating anything twice, and a run that asks
-for more conversations than an earlier one reuses every question-and-answer attempt it finished (the
-document tasks are drawn anew from the larger pool of answers).
+for more conversations than an earlier one reuses every question and answer it made: where the earlier
+run needed only the first questions of an attempt, only the rest are answered (the document tasks are
+drawn anew from the larger pool of answers).
 """
 
 from __future__ import annotations
@@ -89,8 +90,7 @@ class _Synthesis:
         seen: set[str] = set()
         # An attempt samples eight batches of questions and answers the new ones still needed in one
         # continuously batched call (each call ends by draining its batch, so fewer calls waste fewer decode
-        # steps). Questions are cached by attempt, answers by their texts: attempts a smaller run finished
-        # are all reused.
+        # steps). Questions and answers are cached by attempt (`_answer_attempt`).
         chunk = 8 * self.synth.batch_size
         max_attempts = MAX_ATTEMPTS_PER_NEEDED * math.ceil(wanted / chunk) + 2
         for attempt in range(max_attempts):
@@ -99,7 +99,7 @@ class _Synthesis:
                 break
             items = self._new_questions(attempt, chunk, needed, seen)
             seen.update(normalized(text) for _, text, _ in items)
-            conversations += self._answer_cached("answers", items, self.seed + attempt, f"answers {attempt}")
+            conversations += self._answer_attempt(attempt, items)
             log.info("synthesis attempt %d: %d of %d conversations", attempt, len(conversations), wanted)
         if len(conversations) < wanted:
             log.warning("synthesis stopped after %d attempts with %d of %d conversations (rejects: %s)",
@@ -178,9 +178,34 @@ class _Synthesis:
         if batch is None:
             batch = self._answer(items, seed, desc)
             self.cache.put(key, batch)
-        for rejected in batch["rejects"]:
-            self.rejects.add("synth", rejected["position"], RowError(rejected["reason"], rejected["detail"]))
+        self._add_rejects(batch["rejects"])
         return batch["conversations"]
+
+    def _answer_attempt(self, attempt: int, items: list[tuple[str, str, dict]]) -> list[dict]:
+        """The conversations of an attempt's accepted questions, in order. The answers are cached in parts,
+        each holding its question texts: a run that needs more of an attempt than an earlier run answered
+        reads the earlier parts and answers only the rest, as one more part."""
+        texts = [text for _, text, _ in items]
+        parts, answered = [], 0
+        for part in itertools.count():
+            key = content_key("synth-attempt-answers", self.target_name, self.params, self.seed, attempt, part)
+            cached = self.cache.get(key) if answered < len(texts) else None
+            if cached is None or cached["texts"][: len(texts) - answered] != texts[answered:][: len(cached["texts"])]:
+                break
+            parts.append(cached)
+            answered += len(cached["texts"])
+        if answered < len(texts):
+            fresh = {"texts": texts[answered:], **self._answer(items[answered:], self.seed + attempt,
+                                                               f"answers {attempt}")}
+            self.cache.put(key, fresh)
+            parts.append(fresh)
+        positions = {position for position, _, _ in items}  # a larger earlier run answered more of the attempt
+        self._add_rejects([r for part in parts for r in part["rejects"] if r["position"] in positions])
+        return [c for part in parts for c in part["conversations"] if c["provenance"]["row"] in positions]
+
+    def _add_rejects(self, rejected: list[dict]) -> None:
+        for r in rejected:
+            self.rejects.add("synth", r["position"], RowError(r["reason"], r["detail"]))
 
     def _new_questions(self, attempt: int, asked: int, needed: int, seen: set[str]) -> list[tuple[str, str, dict]]:
         """Up to `needed` of the attempt's `asked` sampled questions (cached) as (position, text, provenance),
