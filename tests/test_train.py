@@ -23,7 +23,14 @@ from specdistill.heads import build_head, load_head
 from specdistill.heads.copy_init import copy_query_heads, fast_dims
 from specdistill.target import load_target
 from specdistill.train.data import OnlineSource, StoreSource
-from specdistill.train.trainer import Trainer, deepspeed_config, load_tau_evaluator, make_accelerator
+from specdistill.train.trainer import (
+    Trainer,
+    copy_tokens,
+    deepspeed_config,
+    load_tau_evaluator,
+    make_accelerator,
+)
+from specdistill.train.ttt import TTTBatch
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -185,7 +192,20 @@ def test_in_loop_tau_keeps_the_best_head_and_packing_trains(prepared, tmp_path):
     assert [load_head(run_dir / "ckpt" / d).config.draft_vocab_size for d in ("best", "final")] == [320, 320]
     step_state = load_file(str(run_dir / "ckpt" / "step-0000006" / "model.safetensors"))
     assert step_state["head.lm_head.weight"].shape[0] == 256  # what a resumed run goes on training
-    assert {"acc/0", "accept/2", "loss/1", "tau_sim", "holdout/tau_sim"} <= history[-1].keys()
+    assert {"acc/0", "accept/2", "loss/1", "tau_sim", "holdout/tau_sim", "holdout/acc2", "holdout/copy_tau_sim",
+            "holdout/copy_acc2"} <= history[-1].keys()
+
+
+def test_copy_tokens_complete_a_3_gram_earlier_in_their_own_document():
+    """Held-out copy accuracy counts a token only where its own document already holds the 3-gram: packed
+    rows never match across documents, padding never counts."""
+    ids = torch.tensor([[5, 6, 7, 5, 6, 7, 8, 5, 6, 7], [5, 6, 7, 9, 9, 5, 6, 7, 0, 0]])
+    packed = TTTBatch(ids, torch.ones_like(ids), torch.ones_like(ids, dtype=torch.bool), torch.zeros(2, 10, 4),
+                      doc_BT=torch.tensor([[0] * 7 + [1] * 3, [0, 0, 0, 0, 0, 0, 0, 0, -1, -1]]))
+    assert copy_tokens(packed).nonzero().tolist() == [[0, 5], [1, 7]]  # not [0, 9]: 5 6 7 is document 0's
+    padded = TTTBatch(ids, torch.ones_like(ids), torch.tensor([[True] * 10, [True] * 8 + [False] * 2]),
+                      torch.zeros(2, 10, 4))
+    assert copy_tokens(padded).nonzero().tolist() == [[0, 5], [0, 9], [1, 7]]
 
 
 def test_in_loop_tau_never_runs_on_the_prompts_the_head_is_scored_on(monkeypatch, tmp_path):

@@ -57,16 +57,23 @@ def accept_per_depth_conditional(accepted: list[int], depth: int) -> list[float]
     return [reached[d] / reached[d - 1] if reached[d - 1] else 0.0 for d in range(1, depth + 1)]
 
 
-def copy_rounds(prompt_ids: list[int], output_ids: list[int], accepted: list[int]) -> list[bool]:
-    """Per verification round: does its first new token complete a 3-gram already in the context (prompt
-    and output so far)? Those rounds are where copying from the context pays most."""
-    tokens = list(prompt_ids) + list(output_ids)
+def repeated_trigrams(tokens: list[int]) -> list[bool]:
+    """Per token: does it complete a 3-gram already earlier in `tokens`? There the context holds what
+    follows, for prompt lookup or a copying head to draft."""
     seen: set[tuple[int, ...]] = set()
     repeats = [False] * len(tokens)
     for q in range(2, len(tokens)):
         gram = tuple(tokens[q - 2 : q + 1])
         repeats[q] = gram in seen
         seen.add(gram)
+    return repeats
+
+
+def copy_rounds(prompt_ids: list[int], output_ids: list[int], accepted: list[int]) -> list[bool]:
+    """Per verification round: does its first new token complete a 3-gram already in the context (prompt
+    and output so far)? Those rounds are where copying from the context pays most."""
+    tokens = list(prompt_ids) + list(output_ids)
+    repeats = repeated_trigrams(tokens)
     flags, q = [], len(prompt_ids)
     for a in accepted:
         flags.append(q < len(tokens) and repeats[q])

@@ -19,7 +19,7 @@ import os
 import random
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +33,7 @@ from specdistill.capture.store import FeatureStore
 from specdistill.config import ConfigError, RunConfig
 from specdistill.data.vocab import DraftVocab, build_draft_vocab
 from specdistill.distributed import rank_and_world
+from specdistill.evaluate import metrics
 from specdistill.heads import build_head, head_from_state, save_head
 from specdistill.heads.copy_init import init_copy_attention, keep_copy_queries_on_slow_pairs
 from specdistill.heads.widen import widened
@@ -43,7 +44,7 @@ from specdistill.train.data import PLANS, OnlineSource, StoreSource, collate
 from specdistill.train.loss import LOSSES
 from specdistill.train.schedule import warmup_cosine
 from specdistill.train.teacher import Teacher
-from specdistill.train.ttt import TTTBatch, TTTResult, teacher_rows, unroll_ttt
+from specdistill.train.ttt import TTTBatch, TTTResult, padded_documents, teacher_rows, unroll_ttt
 
 log = logging.getLogger(__name__)
 DEEPSPEED_DIR = Path(__file__).resolve().parents[2] / "conf" / "deepspeed"
@@ -346,16 +347,24 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate_holdout(self) -> dict:
+        """Held-out accuracy per TTT step and the chain tau it implies: over every token, and (`copy_`) over
+        the tokens the context holds (`copy_tokens`), where a head falls behind prompt lookup as the steps go on."""
         if not self.holdout_ids:
             return {}
         lengths = {i: self.source.lengths[i] for i in self.holdout_ids}
-        acc, count = None, 0
+        totals = {"": [0, 0], "copy_": [0, 0]}  # kind -> [hits per step, positions per step]
         for rows in self.plan(lengths, self.cfg.train.batch_tokens, 0, 0):
-            r = self.model(*self.load_batch(rows))
-            acc = r.step_acc * r.step_count if acc is None else acc + r.step_acc * r.step_count
-            count = count + r.step_count
-        step_acc = acc / count.clamp(min=1)
-        return {"holdout/acc0": float(step_acc[0]), "holdout/tau_sim": float(1 + torch.cumprod(step_acc, 0).sum())}
+            batch, teacher = self.load_batch(rows)
+            copies = replace(batch, loss_mask_BT=batch.loss_mask_BT * copy_tokens(batch))
+            for kind, kept in (("", batch), ("copy_", copies)):
+                r = self.model(kept, teacher)
+                totals[kind] = [totals[kind][0] + r.step_acc * r.step_count, totals[kind][1] + r.step_count]
+        out = {}
+        for kind, (hits, count) in totals.items():
+            step_acc = hits / count.clamp(min=1)
+            out[f"holdout/{kind}tau_sim"] = float(1 + torch.cumprod(step_acc, 0).sum())
+            out.update({f"holdout/{kind}acc{j}": float(a) for j, a in enumerate(step_acc)})
+        return out
 
     def fit(self) -> dict:
         cfg = self.cfg
@@ -458,6 +467,18 @@ def start_wandb(cfg: RunConfig, rank: int):
 
     return wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.name, mode=cfg.wandb.mode,
                       dir=str(cfg.run_dir), config=redacted(cfg), reinit="finish_previous")
+
+
+def copy_tokens(batch: TTTBatch) -> torch.Tensor:
+    """[B, T] bool: the tokens that complete a 3-gram already earlier in their own document."""
+    doc_BT = batch.doc_BT if batch.doc_BT is not None else padded_documents(batch.valid_BT)
+    out = torch.zeros_like(batch.valid_BT)
+    for b, (ids, docs) in enumerate(zip(batch.input_ids_BT.tolist(), doc_BT.tolist())):
+        for doc in set(docs) - {-1}:
+            columns = [t for t, d in enumerate(docs) if d == doc]
+            repeats = metrics.repeated_trigrams([ids[t] for t in columns])
+            out[b, [t for t, repeated in zip(columns, repeats) if repeated]] = True
+    return out
 
 
 def plot_history(history: list[dict], path: Path) -> None:
