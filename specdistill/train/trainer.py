@@ -490,13 +490,21 @@ def plot_history(history: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     steps = [h["step"] for h in history]
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    depths = range(len([k for k in history[0] if k.startswith("acc/")]))
+    fig, (ax_loss, ax_acc, ax_held) = plt.subplots(1, 3, figsize=(16, 4))
     ax_loss.plot(steps, [h["loss"] for h in history])
     ax_loss.set(xlabel="step", ylabel="weighted TTT loss", title="training loss")
-    for j in range(len([k for k in history[0] if k.startswith("acc/")])):
+    for j in depths:
         ax_acc.plot(steps, [h[f"acc/{j}"] for h in history], label=f"step {j}")
     ax_acc.set(xlabel="step", ylabel="top-1 agreement with target", title="accuracy per TTT step")
     ax_acc.legend(fontsize=7)
+    held = [h for h in history if "holdout/copy_acc0" in h]
+    for j in depths:
+        line, = ax_held.plot([h["step"] for h in held], [h[f"holdout/acc{j}"] for h in held], label=f"step {j}")
+        ax_held.plot([h["step"] for h in held], [h[f"holdout/copy_acc{j}"] for h in held], "--", color=line.get_color())
+    ax_held.set(xlabel="step", ylabel="top-1 agreement with target",
+                title="held out: all tokens (solid), tokens in the context (dashed)")
+    ax_held.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
