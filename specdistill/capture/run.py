@@ -296,7 +296,7 @@ def run(cfg: RunConfig, target) -> dict:
     )
     if loaded.model.device != device:
         loaded.model.to(device)
-    runner = TargetRunner(computing_in(loaded, str(compute_dtype).removeprefix("torch.")))  # a copy only now
+    runner = TargetRunner(computing_in(loaded, cfg.capture.target_dtype))  # on `device` now: the header's dtype
     todo_tokens = sum(scan.lengths[i] for k in mine for i in plan[k])
     with tqdm(
         total=todo_tokens, unit="tok", unit_scale=True, desc=f"capture rank {rank}", position=rank
