@@ -188,9 +188,12 @@ class _Synthesis:
         texts = [text for _, text, _ in items]
         parts, answered = [], 0
         for part in itertools.count():
+            if answered >= len(texts):
+                break
             key = content_key("synth-attempt-answers", self.target_name, self.params, self.seed, attempt, part)
-            cached = self.cache.get(key) if answered < len(texts) else None
-            if cached is None or cached["texts"][: len(texts) - answered] != texts[answered:][: len(cached["texts"])]:
+            cached = self.cache.get(key)
+            overlap = 0 if cached is None else min(len(cached["texts"]), len(texts) - answered)
+            if cached is None or cached["texts"][:overlap] != texts[answered : answered + overlap]:
                 break
             parts.append(cached)
             answered += len(cached["texts"])
