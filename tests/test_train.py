@@ -29,6 +29,7 @@ from specdistill.train.trainer import (
     deepspeed_config,
     load_tau_evaluator,
     make_accelerator,
+    moving_average,
 )
 from specdistill.train.ttt import TTTBatch
 
@@ -194,6 +195,14 @@ def test_in_loop_tau_keeps_the_best_head_and_packing_trains(prepared, tmp_path):
     assert step_state["head.lm_head.weight"].shape[0] == 256  # what a resumed run goes on training
     assert {"acc/0", "accept/2", "loss/1", "tau_sim", "holdout/tau_sim", "holdout/acc2", "holdout/copy_tau_sim",
             "holdout/copy_acc2"} <= history[-1].keys()
+
+
+def test_curves_average_each_step_with_the_window_before_it():
+    """The plotted training curves: each point is the mean of its own value and the window - 1 before it,
+    fewer at the start, so the curve starts at the first value and lags no further than the window."""
+    values = [4.0, 0.0, 2.0, 6.0, 1.0]
+    assert moving_average(values, 3).tolist() == [4.0, 2.0, 2.0, 8 / 3, 3.0]
+    assert moving_average(values, 1).tolist() == values
 
 
 def test_copy_tokens_complete_a_3_gram_earlier_in_their_own_document():

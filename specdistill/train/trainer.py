@@ -37,7 +37,7 @@ from specdistill.evaluate import metrics
 from specdistill.heads import build_head, head_from_state, save_head
 from specdistill.heads.copy_init import init_copy_attention, keep_copy_queries_on_slow_pairs
 from specdistill.heads.widen import widened
-from specdistill.io import atomic_dir, save_tensors, write_json
+from specdistill.io import atomic_dir, atomic_path, save_tensors, write_json
 from specdistill.pipeline import redacted
 from specdistill.target import Target, TargetRunner, bf16_is_native, computing_in
 from specdistill.train.data import PLANS, OnlineSource, StoreSource, collate
@@ -481,7 +481,18 @@ def copy_tokens(batch: TTTBatch) -> torch.Tensor:
     return out
 
 
+def moving_average(values: list[float], window: int) -> np.ndarray:
+    """Mean of each value and the `window - 1` before it (fewer at the start): per-step training metrics
+    swing with each batch's mix of documents, so only their trend is readable."""
+    sums = np.cumsum(np.concatenate([[0.0], values]))
+    ends = np.arange(1, len(values) + 1)
+    starts = np.maximum(ends - window, 0)
+    return (sums[ends] - sums[starts]) / (ends - starts)
+
+
 def plot_history(history: list[dict], path: Path) -> None:
+    """train/curves.png: loss and per-step accuracy (a moving average over about a fiftieth of the run,
+    the raw values faint behind), and the held-out accuracy at each checkpoint."""
     if not history:
         return
     import matplotlib
@@ -490,14 +501,17 @@ def plot_history(history: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     steps = [h["step"] for h in history]
+    window = max(1, len(history) // 50)
     depths = range(len([k for k in history[0] if k.startswith("acc/")]))
     fig, (ax_loss, ax_acc, ax_held) = plt.subplots(1, 3, figsize=(16, 4))
-    ax_loss.plot(steps, [h["loss"] for h in history])
-    ax_loss.set(xlabel="step", ylabel="weighted TTT loss", title="training loss")
-    for j in depths:
-        ax_acc.plot(steps, [h[f"acc/{j}"] for h in history], label=f"step {j}")
-    ax_acc.set(xlabel="step", ylabel="top-1 agreement with target", title="accuracy per TTT step")
-    ax_acc.legend(fontsize=7)
+    for ax, key, label in [(ax_loss, "loss", "loss")] + [(ax_acc, f"acc/{j}", f"step {j}") for j in depths]:
+        raw = [h[key] for h in history]
+        line, = ax.plot(steps, moving_average(raw, window), label=label)
+        ax.plot(steps, raw, color=line.get_color(), alpha=0.12, linewidth=0.5)
+    ax_loss.set(xlabel="step", ylabel="weighted TTT loss", title=f"training loss (mean of {window} steps)")
+    ax_acc.set(xlabel="step", ylabel="top-1 agreement with target",
+               title=f"accuracy per TTT step (mean of {window} steps)")
+    ax_acc.legend(fontsize=7, loc="lower right")
     held = [h for h in history if "holdout/copy_acc0" in h]
     for j in depths:
         line, = ax_held.plot([h["step"] for h in held], [h[f"holdout/acc{j}"] for h in held], label=f"step {j}")
@@ -506,8 +520,8 @@ def plot_history(history: list[dict], path: Path) -> None:
                 title="held out: all tokens (solid), tokens in the context (dashed)")
     ax_held.legend(fontsize=7)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
 
 
