@@ -67,6 +67,16 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def weights_fingerprint(model: torch.nn.Module, head: int = 256) -> str:
+    """sha256 over every parameter's name, shape and first `head` values: cheap even for a 70B target, and
+    it tells apart weights re-saved under the same name (a fine-tuned local dir, another random seed)."""
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        digest.update(f"{name}{tuple(param.shape)}".encode())
+        digest.update(param.detach().reshape(-1)[:head].float().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
 @contextmanager
 def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     """Yield an empty temp dir beside `path`; on success it replaces `path` whole, on failure it is removed."""

@@ -13,8 +13,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import specdistill.target
+from specdistill.cache import ResultCache
 from specdistill.config import register, to_run_config
-from specdistill.data.cache import ConversationCache
 from specdistill.data.generate import LocalGenerator
 from specdistill.data.prepare import SourceConversations, generation_model, load_prepared, run
 from specdistill.data.regenerate import row_key, sampling_params
@@ -179,7 +179,7 @@ def test_back_translations_come_on_top_and_reuse_every_cached_batch(prepared, tm
     cfg2 = smoke_cfg(copy, *PREPARED)
     cfg2.data.synth.back_translations, cfg2.data.synth.back_translation_source = 5, source
     run(cfg2, LazyTarget(cfg2))
-    assert len(ConversationCache(copy / "cache")) == len(ConversationCache(out / "cache")) + 1  # one new batch
+    assert len(ResultCache(copy / "cache")) == len(ResultCache(out / "cache")) + 1  # one new batch
     rows2 = [(json.loads(r["messages"]), json.loads(r["provenance"])) for r in load_prepared(copy).samples]
     assert rows2[: len(rows)] == rows
     back = rows2[len(rows):]
@@ -204,10 +204,10 @@ def test_sources_are_read_and_regenerated_one_window_at_a_time(prepared, tmp_pat
     write_chats(tmp_path / "chats.jsonl", good=6, broken_at=3)
     cfg = smoke_cfg(tmp_path / "out", "data.source=jsonl", f"data.path={tmp_path / 'chats.jsonl'}",
                     "data.generation.max_new_tokens=3", "data.generation.chunk_rows=2")
-    sources = SourceConversations(cfg, target, ChatFormat(target.tokenizer), ConversationCache(tmp_path / "c"), 0, 1)
+    sources = SourceConversations(cfg, target, ChatFormat(target.tokenizer), ResultCache(tmp_path / "c"), 0, 1)
     stream = iter(sources)
     first = next(stream)
-    assert sources.total == 2 and len(ConversationCache(tmp_path / "c")) == 2  # only the first window so far
+    assert sources.total == 2 and len(ResultCache(tmp_path / "c")) == 2  # only the first window so far
     rest = list(stream)
     assert [c["provenance"]["row"] for c in [first, *rest]] == ["line 1", "line 2", "line 4", "line 5", "line 6",
                                                                "line 7"]

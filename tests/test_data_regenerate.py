@@ -5,8 +5,8 @@ import json
 
 import pytest
 
+from specdistill.cache import ResultCache
 from specdistill.config import GenerationConfig, TargetConfig
-from specdistill.data.cache import ConversationCache
 from specdistill.data.generate import LocalGenerator
 from specdistill.data.regenerate import LocalBackend, regenerate_rows, row_key
 from specdistill.data.sources import SourceRow
@@ -49,7 +49,7 @@ class Counting:
 
 
 def test_turn_by_turn_with_own_answers(backend, tmp_path):
-    cache = ConversationCache(tmp_path)
+    cache = ResultCache(tmp_path)
     source = rows(2)
     assert not regenerate_rows(source, backend, cache, PARAMS, "random", chunk_rows=8).rows
     for row in source:
@@ -65,8 +65,8 @@ def test_killed_run_resumes_without_duplicates_or_gaps(backend, tmp_path):
     source = rows(7)
     crashing = Counting(backend, fail_after=4)  # dies as the third chunk of two rows starts
     with pytest.raises(KeyboardInterrupt):
-        regenerate_rows(source, crashing, ConversationCache(tmp_path), PARAMS, "random", chunk_rows=2)
-    cache = ConversationCache(tmp_path)
+        regenerate_rows(source, crashing, ResultCache(tmp_path), PARAMS, "random", chunk_rows=2)
+    cache = ResultCache(tmp_path)
     assert len(cache) == 4
     resumed = Counting(backend)
     regenerate_rows(source, resumed, cache, PARAMS, "random", chunk_rows=2)
@@ -79,15 +79,15 @@ def test_killed_run_resumes_without_duplicates_or_gaps(backend, tmp_path):
 
 def test_a_torn_cache_line_is_ignored_and_redone(backend, tmp_path):
     source = rows(2)
-    regenerate_rows(source, backend, ConversationCache(tmp_path), PARAMS, "random", chunk_rows=1)
+    regenerate_rows(source, backend, ResultCache(tmp_path), PARAMS, "random", chunk_rows=1)
     path = tmp_path / "conversations.rank0.jsonl"
     text = path.read_text()
     path.write_text(text[: len(text) - 20])  # the second line was cut short by a kill
-    cache = ConversationCache(tmp_path)
+    cache = ResultCache(tmp_path)
     assert len(cache) == 1
     again = Counting(backend)
     regenerate_rows(source, again, cache, PARAMS, "random", chunk_rows=1)
-    assert again.answered == ["question 1"] and len(ConversationCache(tmp_path)) == 2
+    assert again.answered == ["question 1"] and len(ResultCache(tmp_path)) == 2
 
 
 def test_ranks_split_rows_without_overlap(backend, tmp_path):
@@ -95,10 +95,10 @@ def test_ranks_split_rows_without_overlap(backend, tmp_path):
     answered = []
     for rank in range(2):
         counting = Counting(backend)
-        regenerate_rows(source, counting, ConversationCache(tmp_path, rank), PARAMS, "random", 8, rank, 2)
+        regenerate_rows(source, counting, ResultCache(tmp_path, rank), PARAMS, "random", 8, rank, 2)
         answered.append(counting.answered)
     assert answered == [["question 0", "question 2", "question 4"], ["question 1", "question 3"]]
-    assert len(ConversationCache(tmp_path)) == 5  # each rank's file is read back
+    assert len(ResultCache(tmp_path)) == 5  # each rank's file is read back
 
 
 def test_prepare_regenerates_a_spec_bench_style_file(tmp_path):
@@ -124,11 +124,11 @@ def test_prepare_regenerates_a_spec_bench_style_file(tmp_path):
     assert [m["role"] for m in json.loads(row["messages"])] == ["user", "assistant", "user", "assistant"]
     provenance = json.loads(row["provenance"])
     assert provenance["regenerated"] and provenance["row"] == "line 1" and provenance["sampling"]["max_new_tokens"] == 5
-    assert len(ConversationCache(tmp_path / "out" / "cache")) == 3
+    assert len(ResultCache(tmp_path / "out" / "cache")) == 3
 
 
 def test_the_cache_index_reads_only_new_whole_lines(tmp_path):
-    writer, reader = ConversationCache(tmp_path, 1), ConversationCache(tmp_path, 0)
+    writer, reader = ResultCache(tmp_path, 1), ResultCache(tmp_path, 0)
     writer.put("a", {"messages": ["first"]})
     assert "a" not in reader
     reader.reload()

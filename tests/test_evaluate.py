@@ -1,6 +1,7 @@
 """Evaluation: metrics, benchmark loading, the serving-advice model, the in-training tau, and the
 acceptance CLI once end to end on the random smoke target (report contract)."""
 
+import copy
 import json
 import subprocess
 import sys
@@ -9,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdistill.config import AdviceConfig, EvalConfig, HeadConfig, TargetConfig
+from specdistill.config import AdviceConfig, EvalConfig, HeadConfig, RunConfig, TargetConfig
 from specdistill.evaluate import metrics
+from specdistill.evaluate import run as evaluation
 from specdistill.evaluate.advice import ModelCost, advise, expected_speedup, expected_tau, topks
 from specdistill.evaluate.bench import evaluated_indices, held_out_prompts, load_items, load_prompts
-from specdistill.evaluate.run import Tally, evaluate_head_tau
+from specdistill.evaluate.run import PARTIAL, Tally, evaluate, evaluate_head_tau
 from specdistill.heads import build_head, save_head
 from specdistill.spec.decode import GenerationStats
 from specdistill.target import load_target
@@ -228,6 +230,48 @@ def test_acceptance_cli_writes_the_report_contract(smoke_head, tmp_path):
                                           for kind in ("copy", "elsewhere")) + " |") in summary
     assert "## Serving advice" in summary and "| 256 |" in summary and "prompt_lookup" in summary
     assert "Model check: the head tree (depth 3, top-k 4, 12" in summary and "Model check: the chain (depth 3" in summary
+
+
+def test_a_killed_evaluation_resumes_from_its_finished_batches(smoke_head, tmp_path, monkeypatch):
+    target, head, _ = smoke_head
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text("".join(json.dumps({"turns": [f"Question {i}", "And then?"]}) + "\n" for i in range(3)))
+    cfg = RunConfig()
+    cfg.wandb.mode = "disabled"
+    ev = cfg.eval  # 3 items x 2 turns, one per batch: 6 batches of 3 drafters each
+    ev.bench, ev.limit, ev.max_turns, ev.max_new_tokens, ev.baselines = str(bench), 3, 2, 6, ["prompt_lookup", "chain"]
+    ev.temperature = 0.8  # sampled: the random generators must continue where the killed sitting left them
+    ev.tree.depth, ev.tree.topk, ev.tree.num_draft_tokens = 3, 4, 12
+    fresh = evaluate(cfg, target, head, tmp_path / "fresh")
+
+    calls, decode = [], evaluation.speculative_generate
+
+    def counted(*args):
+        calls.append(args)
+        if kill_at and len(calls) == kill_at:
+            raise KeyboardInterrupt
+        return decode(*args)
+
+    monkeypatch.setattr(evaluation, "speculative_generate", counted)
+    kill_at = 3 * 3 + 2  # killed in the fourth batch: the first of the second turn
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(cfg, target, head, tmp_path / "resumed")
+    other = copy.deepcopy(head)
+    other.fc.weight.data += 0.01
+    calls.clear()
+    kill_at = 1  # another head re-uses nothing: it starts again from the first turn
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(cfg, target, other, tmp_path / "resumed")
+    assert "And then?" not in target.tokenizer.decode(calls[0][2][0])
+    calls.clear()
+    kill_at = 0
+    resumed = evaluate(cfg, target, head, tmp_path / "resumed")
+    assert len(calls) == 3 * 3 and resumed["resumed_batches"] == 3 and fresh["resumed_batches"] == 0
+    assert report_rows(tmp_path / "resumed") == report_rows(tmp_path / "fresh")
+    for name in ("prompt_lookup", "chain"):
+        assert resumed["baselines"][name]["accept_per_depth"] == fresh["baselines"][name]["accept_per_depth"]
+    assert (resumed["tau"], resumed["new_tokens"]) == (fresh["tau"], fresh["new_tokens"])
+    assert not (tmp_path / "resumed" / PARTIAL).exists()
 
 
 def report_rows(out: Path) -> list[dict]:

@@ -36,6 +36,7 @@ from specdistill.capture.store import (
 )
 from specdistill.config import RunConfig
 from specdistill.distributed import join_launch
+from specdistill.io import weights_fingerprint
 from specdistill.target import Target, TargetRunner, computing_in, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -133,16 +134,6 @@ def scan_samples(ds, where: Path, vocab_size: int) -> SampleScan:
     if not lengths:
         raise BadSamples(f"{where}: the dataset has no rows")
     return SampleScan(lengths, digest.hexdigest())
-
-
-def weights_fingerprint(model: torch.nn.Module, head: int = 256) -> str:
-    """sha256 over every parameter's name, shape and first `head` values: cheap even for a 70B target, and
-    it tells apart weights re-saved under the same name (a fine-tuned local dir, another random seed)."""
-    digest = hashlib.sha256()
-    for name, param in model.named_parameters():
-        digest.update(f"{name}{tuple(param.shape)}".encode())
-        digest.update(param.detach().reshape(-1)[:head].float().cpu().numpy().tobytes())
-    return digest.hexdigest()
 
 
 def store_header(target: Target, cfg: RunConfig, data_fingerprint: str, compute_dtype: torch.dtype) -> dict:

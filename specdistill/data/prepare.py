@@ -29,8 +29,8 @@ from pathlib import Path
 import datasets
 import torch
 
+from specdistill.cache import ResultCache, content_key
 from specdistill.config import RunConfig
-from specdistill.data.cache import ConversationCache, content_key
 from specdistill.data.generate import LocalGenerator
 from specdistill.data.openai_client import OpenAIBackend
 from specdistill.data.regenerate import (
@@ -115,7 +115,7 @@ def run(cfg: RunConfig, target) -> dict:
     t0 = time.time()
     tgt: Target = target.get()
     chat = ChatFormat(tgt.tokenizer)
-    cache = ConversationCache(data_dir / "cache", rank)
+    cache = ResultCache(data_dir / "cache", rank)
     timings["load_target_s"] = time.time() - t0
 
     t0 = time.time()
@@ -201,7 +201,7 @@ class SourceConversations:
     cache (every rank iterates; only rank 0's iteration yields). Only one window is ever held in memory.
     `rejects` and `total` (rows read) are complete once the iteration ends."""
 
-    def __init__(self, cfg: RunConfig, tgt: Target, chat: ChatFormat, cache: ConversationCache, rank: int,
+    def __init__(self, cfg: RunConfig, tgt: Target, chat: ChatFormat, cache: ResultCache, rank: int,
                  world: int):
         self.cfg, self.cache, self.rank, self.world = cfg, cache, rank, world
         self.rejects, self.total = RejectLog(), 0

@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
+from specdistill.cache import ResultCache, content_key
 from specdistill.config import GenerationConfig
-from specdistill.data.cache import ConversationCache, content_key
 from specdistill.data.generate import LocalGenerator
 from specdistill.data.rejects import RejectLog, RowError
 from specdistill.data.sources import SourceRow
@@ -67,7 +67,7 @@ def user_turns(messages: list[dict]) -> tuple[list[dict], list[dict]]:
     return system, [m for m in messages if m["role"] == "user"]
 
 
-def regenerate_rows(rows: list[SourceRow], backend: Backend, cache: ConversationCache, params: dict,
+def regenerate_rows(rows: list[SourceRow], backend: Backend, cache: ResultCache, params: dict,
                     target_name: str, chunk_rows: int, rank: int = 0, world: int = 1) -> RejectLog:
     """Regenerate this rank's share of `rows` that the cache lacks; returns the rows that failed."""
     mine = [r for i, r in enumerate(rows) if i % world == rank]

@@ -25,8 +25,8 @@ import random
 import re
 from dataclasses import asdict, dataclass, field
 
+from specdistill.cache import ResultCache, content_key
 from specdistill.config import GenerationConfig, SynthConfig
-from specdistill.data.cache import ConversationCache, content_key
 from specdistill.data.generate import LocalGenerator
 from specdistill.data.rejects import RejectLog, RowError
 from specdistill.data.template import ChatFormat
@@ -54,7 +54,7 @@ def check_question(question: str, min_chars: int, seen: set[str]) -> None:
 
 
 def synthesize(generator: LocalGenerator, chat: ChatFormat, synth: SynthConfig, generation: GenerationConfig,
-               cache: ConversationCache, target_name: str, seed: int) -> tuple[list[dict], RejectLog]:
+               cache: ResultCache, target_name: str, seed: int) -> tuple[list[dict], RejectLog]:
     """`synth.num_conversations` conversations ({messages, provenance}), unique by question, and the rejects."""
     run = _Synthesis(generator, chat, synth, generation, cache, target_name, seed)
     num_documents = round(synth.num_conversations * synth.document_share)
@@ -73,7 +73,7 @@ class _Synthesis:
     chat: ChatFormat
     synth: SynthConfig
     generation: GenerationConfig
-    cache: ConversationCache
+    cache: ResultCache
     target_name: str
     seed: int
     rejects: RejectLog = field(default_factory=RejectLog)

@@ -3,14 +3,18 @@ with baselines (prompt lookup, the head as a chain) and serving advice, all in o
 
 Every prompt is decoded by plain decoding (the speed baseline and, at temperature 0, the reference)
 and by each drafter, in the same run and the same batches. Later turns of multi-turn items follow
-the target's own plain-decoding answers. Also `evaluate_head_tau`, the cheap in-training tau.
+the target's own plain-decoding answers. Each finished batch is kept in `<out>/partial/` (its tokens,
+acceptance, wall times and random state), so a killed evaluation resumes at the batch it was in.
+Also `evaluate_head_tau`, the cheap in-training tau.
 """
 
 from __future__ import annotations
 
+import base64
 import logging
+import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from math import prod
 from pathlib import Path
 
@@ -18,15 +22,18 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from specdistill.cache import ResultCache, content_key
 from specdistill.config import EvalConfig, RunConfig
 from specdistill.evaluate import metrics
 from specdistill.evaluate.advice import advise, head_cost, target_cost
 from specdistill.evaluate.bench import conversation_ids, load_prompts
 from specdistill.evaluate.report import write_report
 from specdistill.heads import HEAD_CONFIG, load_head, trained_head_dir
+from specdistill.io import weights_fingerprint
 from specdistill.spec import kernels
 from specdistill.spec.decode import (
     GREEDY,
+    GenerationStats,
     HeadProposer,
     LookupProposer,
     Sampling,
@@ -37,6 +44,7 @@ from specdistill.target import Target, TargetRunner
 
 log = logging.getLogger(__name__)
 MAIN = "head tree"
+PARTIAL = "partial"  # finished batches of an evaluation still running (or killed), removed when it completes
 
 
 def load_any_head(path: str | Path, target: Target):
@@ -176,6 +184,44 @@ def _timed(device: torch.device, fn, *args):
     return result, time.perf_counter() - t0
 
 
+def evaluation_fingerprint(cfg: RunConfig, target: Target, head) -> str:
+    """Everything a batch's results depend on besides its prompts; a killed evaluation re-uses a finished
+    batch only where all of it matches (the slice size and the serving-advice settings do not enter)."""
+    ev = {k: v for k, v in asdict(cfg.eval).items() if k not in ("limit", "advice", "loop_limit", "loop_max_new_tokens")}
+    parameter = next(target.model.parameters())
+    return content_key("evaluate", ev, target.name, target.revision, weights_fingerprint(target.model),
+                       weights_fingerprint(head), str(parameter.dtype), parameter.device.type, cfg.seed)
+
+
+def decode_batch(target: Target, runner: TargetRunner, proposers: dict, ids: list[list[int]], ev: EvalConfig,
+                 sampling: Sampling, generators: dict[str, torch.Generator]) -> dict:
+    """One batch by plain decoding and by every drafter, as a JSON record: tokens, per-round acceptance and
+    wall times, and the random generators' states after it, so a resumed evaluation continues them."""
+    device, eos, pad = next(target.model.parameters()).device, target.eos_ids, target.tokenizer.pad_token_id
+    reference, seconds = _timed(device, plain_generate, target.model, ids, ev.max_new_tokens, eos, sampling,
+                                generators["plain"], pad)
+    record = {"plain": {"tokens": reference, "seconds": seconds}, "drafters": {}}
+    for name, (proposer, _) in proposers.items():
+        stats, seconds = _timed(device, speculative_generate, runner, proposer, ids, ev.max_new_tokens, eos,
+                                sampling, generators[name], pad)
+        record["drafters"][name] = {**asdict(stats), "seconds": seconds}
+    record["generators"] = {name: base64.b64encode(g.get_state().numpy().tobytes()).decode()
+                            for name, g in generators.items()}
+    return record
+
+
+def restore_states(generators: dict[str, torch.Generator], states: dict[str, str]) -> None:
+    """Set each generator to the state a record saved (base64 bytes), as if its batch had just run."""
+    for name, state in states.items():
+        generators[name].set_state(torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8))
+
+
+def generation_stats(record: dict) -> GenerationStats:
+    """A drafter's stats back from its JSON record."""
+    fields = {k: v for k, v in record.items() if k != "seconds"}
+    return GenerationStats(**{**fields, "hits": [tuple(h) for h in fields["hits"]]})
+
+
 def evaluate(cfg: RunConfig, target: Target, head, out_dir: Path, head_path: str = "",
              serve_dirs: dict[str, str] | None = None) -> dict:
     """Decode the benchmark with plain decoding and every drafter; write and return the report. The serving
@@ -185,27 +231,33 @@ def evaluate(cfg: RunConfig, target: Target, head, out_dir: Path, head_path: str
     device = next(target.model.parameters()).device
     head = head.to(device=device, dtype=target.model.dtype).eval()
     items, categories = load_prompts(ev.bench, ev.limit, ev.max_turns)
-    runner, eos, pad = TargetRunner(target), target.eos_ids, target.tokenizer.pad_token_id
-    sampling = Sampling(ev.temperature, ev.top_k, ev.top_p)
+    runner, sampling = TargetRunner(target), Sampling(ev.temperature, ev.top_k, ev.top_p)
     proposers = drafters(head, target, ev)
     tallies = {name: Tally(depth) for name, (_, depth) in proposers.items()}
     generators = {name: torch.Generator(device).manual_seed(cfg.seed) for name in ["plain", *proposers]}
     rows, answers, plain_s = [], [[] for _ in items], 0.0
+    done = ResultCache(out_dir / PARTIAL, stem="batches")
+    key, resumed = evaluation_fingerprint(cfg, target, head), 0
     bar = tqdm(total=sum(len(it) for it in items), desc=f"evaluate {ev.bench}", unit="prompt")
     for turn in range(max(len(it) for it in items)):
         todo = [i for i, it in enumerate(items) if len(it) > turn]
         for start in range(0, len(todo), ev.batch_size):
             chunk = todo[start : start + ev.batch_size]
             ids = [conversation_ids(target.tokenizer, items[i][: turn + 1], answers[i]) for i in chunk]
-            reference, seconds = _timed(device, plain_generate, target.model, ids, ev.max_new_tokens, eos, sampling,
-                                        generators["plain"], pad)
-            plain_s += seconds
-            outputs = {}
-            for name, (proposer, _) in proposers.items():
-                stats, seconds = _timed(device, speculative_generate, runner, proposer, ids, ev.max_new_tokens, eos,
-                                        sampling, generators[name], pad)
-                tallies[name].add(stats, seconds, reference, ids, [categories[i] for i in chunk])
-                outputs[name] = stats
+            key = content_key(key, turn, [items[i][: turn + 1] for i in chunk])  # chained: the batches before too
+            record = done.get(key)
+            if record is None:
+                record = decode_batch(target, runner, proposers, ids, ev, sampling, generators)
+                done.put(key, record)
+            else:
+                resumed += 1
+                restore_states(generators, record["generators"])
+            reference = record["plain"]["tokens"]
+            plain_s += record["plain"]["seconds"]
+            outputs = {name: generation_stats(r) for name, r in record["drafters"].items()}
+            for name, stats in outputs.items():
+                tallies[name].add(stats, record["drafters"][name]["seconds"], reference, ids,
+                                  [categories[i] for i in chunk])
             main = outputs[MAIN]
             for j, i in enumerate(chunk):
                 answers[i].append(target.tokenizer.decode(reference[j], skip_special_tokens=True))
@@ -228,6 +280,7 @@ def evaluate(cfg: RunConfig, target: Target, head, out_dir: Path, head_path: str
         "plain_new_tokens": sum(len(r["plain_output_ids"]) for r in rows),
         "outside_draft_vocab": outside_draft_vocab(head, [r["plain_output_ids"] for r in rows]),
         "baselines": {name: t.report(plain_s, greedy) for name, t in tallies.items() if name != MAIN},
+        "resumed_batches": resumed,  # batches (and their wall times) taken from a killed earlier sitting
     }
     intervals = metrics.tau_intervals({n: t.accepted for n, t in tallies.items()},
                                       {n: t.prompt_of_round for n, t in tallies.items()}, len(rows), MAIN, cfg.seed)
@@ -243,6 +296,7 @@ def evaluate(cfg: RunConfig, target: Target, head, out_dir: Path, head_path: str
                                       serve_dirs or dict.fromkeys(("sglang", "vllm"), head_path or "<head dir>"),
                                       evaluated_shapes(report, tallies))
     write_report(report, rows, out_dir, cfg.wandb)
+    shutil.rmtree(out_dir / PARTIAL)  # finished: a later evaluation measures afresh
     return report
 
 

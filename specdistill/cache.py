@@ -1,4 +1,5 @@
-"""A resumable cache of generated conversations, keyed by a hash of everything that determines them.
+"""A resumable cache of finished work (generated conversations, evaluated batches), keyed by a hash of
+everything that determines it.
 
 Append-only JSON lines, flushed and fsynced per write: a killed run loses at most the line being
 written, and a torn last line is ignored on reading, so the next run regenerates exactly that work.
@@ -24,11 +25,12 @@ def content_key(*parts) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
-class ConversationCache:
-    def __init__(self, directory: str | Path, rank: int = 0):
+class ResultCache:
+    def __init__(self, directory: str | Path, rank: int = 0, stem: str = "conversations"):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self.path = self.directory / f"conversations.rank{rank}.jsonl"
+        self.stem = stem
+        self.path = self.directory / f"{stem}.rank{rank}.jsonl"
         self.index: dict[str, tuple[Path, int]] = {}  # key -> (file, byte offset of its line)
         self._read_up_to: dict[Path, int] = {}  # bytes of each file already indexed (whole lines only)
         self.reload()
@@ -37,7 +39,7 @@ class ConversationCache:
         """Index the lines every rank's file gained since the last call; lines cut short by a killed writer
         are skipped, and a last line without its newline is left for a later call."""
         before = len(self.index)
-        for path in sorted(self.directory.glob("conversations.rank*.jsonl")):
+        for path in sorted(self.directory.glob(f"{self.stem}.rank*.jsonl")):
             offset = self._read_up_to.get(path, 0)
             with open(path, "rb") as f:
                 f.seek(offset)
@@ -52,7 +54,7 @@ class ConversationCache:
                     offset += len(line)
             self._read_up_to[path] = offset
         if len(self.index) > before:
-            log.info("conversation cache %s: %d finished entries", self.directory, len(self.index))
+            log.info("%s cache %s: %d finished entries", self.stem, self.directory, len(self.index))
 
     def __contains__(self, key: str) -> bool:
         return key in self.index
