@@ -272,6 +272,7 @@ def test_a_killed_evaluation_resumes_from_its_finished_batches(smoke_head, tmp_p
         assert resumed["baselines"][name]["accept_per_depth"] == fresh["baselines"][name]["accept_per_depth"]
     assert (resumed["tau"], resumed["new_tokens"]) == (fresh["tau"], fresh["new_tokens"])
     assert not (tmp_path / "resumed" / PARTIAL).exists()
+    assert "3 batches and their times come from a killed earlier sitting" in (tmp_path / "resumed" / "summary.md").read_text()
 
 
 def report_rows(out: Path) -> list[dict]:

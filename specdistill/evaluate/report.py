@@ -27,7 +27,9 @@ def summary_markdown(r: dict) -> str:
              f"- tau: **{r['tau']:.2f}** tokens per target forward (tree depth {tree['depth']}, top-k {tree['topk']}, "
              f"{tree['num_draft_tokens']} draft tokens); 95% interval over prompts {_interval(r['tau_ci'])}",
              f"- speedup vs plain decoding (same run): **{r['speedup']:.2f}x** ({r['wall_s']:.1f}s vs "
-             f"{r['baseline_wall_s']:.1f}s; drafting {r['draft_s']:.1f}s, verification {r['verify_s']:.1f}s)",
+             f"{r['baseline_wall_s']:.1f}s; drafting {r['draft_s']:.1f}s, verification {r['verify_s']:.1f}s)"
+             + (f"; {r['resumed_batches']} batches and their times come from a killed earlier sitting"
+                if r.get("resumed_batches") else ""),
              f"- outputs differing from plain greedy decoding: {lossless}",
              f"- target output tokens outside the head's draft vocabulary (no head can propose them): "
              f"{r['outside_draft_vocab']:.1%}", "",
