@@ -3,6 +3,8 @@
     python eval/acceptance.py head=runs/smollm2/ckpt/final bench=spec_bench limit=16 max_new_tokens=128 out=eval_out
     python eval/acceptance.py head=runs/smollm2/export/sglang bench=my.jsonl eval.batch_size=4 eval.temperature=0.7
     python eval/acceptance.py head=<dir> target=random bench=hf:<dataset dir>:test:prompt
+
+A killed evaluation resumes: the same command re-uses the finished batches kept in `<out>/partial/`.
 """
 
 import sys
