@@ -205,9 +205,13 @@ def decode_batch(target: Target, runner: TargetRunner, proposers: dict, ids: lis
         stats, seconds = _timed(device, speculative_generate, runner, proposer, ids, ev.max_new_tokens, eos,
                                 sampling, generators[name], pad)
         record["drafters"][name] = {**asdict(stats), "seconds": seconds}
-    record["generators"] = {name: base64.b64encode(g.get_state().numpy().tobytes()).decode()
-                            for name, g in generators.items()}
+    record["generators"] = generator_states(generators)
     return record
+
+
+def generator_states(generators: dict[str, torch.Generator]) -> dict[str, str]:
+    """Each generator's state as base64 bytes, for a JSON record; `restore_states` reads it back."""
+    return {name: base64.b64encode(g.get_state().numpy().tobytes()).decode() for name, g in generators.items()}
 
 
 def restore_states(generators: dict[str, torch.Generator], states: dict[str, str]) -> None:
