@@ -68,7 +68,7 @@ class TargetConfig:
 class SynthConfig:
     """Magpie-style self-synthesis: the target writes the user turn, then answers it."""
 
-    num_conversations: int = 2560
+    num_conversations: int = 5120
     question_max_tokens: int = 48
     question_temperature: float = 1.0
     question_top_p: float = 0.95
@@ -172,7 +172,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     warmup_ratio: float = 0.05
-    epochs: float = 2.0
+    epochs: float = 1.5
     max_steps: int | None = None
     batch_tokens: int = 512  # tokens per micro-batch
     batching: str = "bucket"  # bucket: one sample per row, similar lengths | pack: documents share a row
