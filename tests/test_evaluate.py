@@ -17,6 +17,7 @@ from specdistill.evaluate.advice import ModelCost, advise, expected_speedup, exp
 from specdistill.evaluate.bench import evaluated_indices, held_out_prompts, load_items, load_prompts
 from specdistill.evaluate.run import PARTIAL, Tally, evaluate, evaluate_head_tau
 from specdistill.heads import build_head, save_head
+from specdistill.spec import decode
 from specdistill.spec.decode import GenerationStats
 from specdistill.target import load_target
 
@@ -157,19 +158,27 @@ def test_tally_splits_per_depth_acceptance_by_copy_rounds():
     stats = GenerationStats(tokens=[output], accepted=[accepted])
     tally = Tally(depth=4)
     tally.add(stats, 1.0, [output], [prompt], [None])
+    tally.add(stats, 1.0, [output[:-1] + [0]], [prompt], [None])  # the same rounds against a reference they miss
+    tally.add(stats, 1.0, None, [prompt], [None])  # no plain decoding: nothing to check
     report = tally.report(baseline_wall_s=1.0, greedy=True)
     assert report["accept_per_depth_conditional_copy"] == [1.0, 1.0, 1.0, 0.0]
     assert report["accept_per_depth_conditional_elsewhere"] == [0.5, 0.0, 0.0, 0.0]
-    assert report["copy_round_share"] == pytest.approx(1 / 3) and report["lossless_mismatches"] == 0
+    assert report["copy_round_share"] == pytest.approx(1 / 3) and report["lossless_mismatches"] == 1
 
 
 def test_in_loop_tau_on_held_out_prompts(smoke_head):
     target, head, _ = smoke_head
     head.train()
-    cfg = EvalConfig(loop_max_new_tokens=8, batch_size=2)
+    cfg = EvalConfig(loop_max_new_tokens=8, batch_size=1)
     cfg.tree.depth, cfg.tree.topk, cfg.tree.num_draft_tokens = 3, 4, 12
     result = evaluate_head_tau(head, target, held_out_prompts("spec_bench", 16, 2), cfg)
-    assert result["tau"] >= 1.0 and len(result["accept_per_depth"]) == 3 and result["new_tokens"] == 2 * 8
+    assert len(result["accept_per_depth"]) == 3 and result["new_tokens"] == 2 * 8
+    # tau against the target forwards it took: one per round besides each prompt's prefill. The rounds commit
+    # the 7 tokens after each prompt's first, overshooting by at most a tree's depth in the last round
+    rounds = result["target_forwards"] - 2
+    committed = result["tau"] * rounds
+    assert committed == pytest.approx(round(committed)) and 2 * 7 <= round(committed) <= 2 * (7 + 3)
+    assert result["tau"] == pytest.approx(1 + sum(result["accept_per_depth"]))
     assert {"tau_copy", "tau_elsewhere", "copy_round_share"} <= result.keys()
     assert head.training  # left as it was
 
@@ -194,7 +203,8 @@ def test_acceptance_cli_writes_the_report_contract(smoke_head, tmp_path):
     assert sorted(printed) == sorted(f"{name} {b['tau']:.2f}" for name, b in report["baselines"].items())
     assert REPORT_KEYS <= report.keys()
     assert report["lossless_mismatches"] == 0 and report["num_prompts"] == 4
-    assert report["tau"] >= 1.0 and len(report["accept_per_depth"]) == 3
+    assert_rounds_commit_the_outputs(report, report_rows(out))
+    assert len(report["accept_per_depth"]) == 3
     for m in (report, *report["baselines"].values()):  # the split rounds add back up to tau
         share = m["copy_round_share"]
         assert m["tau"] == pytest.approx(share * m["tau_copy"] + (1 - share) * m["tau_elsewhere"])
@@ -277,6 +287,40 @@ def test_a_killed_evaluation_resumes_from_its_finished_batches(smoke_head, tmp_p
 
 def report_rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+
+
+def assert_rounds_commit_the_outputs(report: dict, rows: list[dict]) -> None:
+    """tau is computed from rounds; the rows' tokens hold it to them: each row's rounds before its last fell short
+    of its output and all of them reach it (the prefill commits the first token, a round its accepted + 1)."""
+    for row in rows:
+        rounds, tokens = row["accepted_per_round"], len(row["output_ids"])
+        before_last = 1 + sum(a + 1 for a in rounds[:-1])
+        assert (before_last < tokens <= before_last + rounds[-1] + 1) if rounds else tokens == 1, (rounds, tokens)
+    assert report["tau"] == pytest.approx(metrics.tau([a for row in rows for a in row["accepted_per_round"]]))
+
+
+def test_a_wrong_verification_is_caught_by_the_lossless_check(smoke_head, tmp_path, monkeypatch):
+    target, head, _ = smoke_head
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Hi there", "2+2=")))
+    cfg = RunConfig()
+    cfg.wandb.mode = "disabled"
+    ev = cfg.eval
+    ev.bench, ev.limit, ev.max_new_tokens, ev.batch_size, ev.baselines = str(bench), 2, 8, 2, []
+    ev.tree.depth, ev.tree.topk, ev.tree.num_draft_tokens = 3, 4, 12
+    flipped, verify = [], decode.verify_greedy
+
+    def flip_one_token(tree, logits):  # the first round's first committed token of row 0 turned into another
+        verdict = verify(tree, logits)
+        if not flipped:
+            flipped.append(True)
+            verdict.tokens[0, 0] = (verdict.tokens[0, 0] + 1) % target.vocab_size
+        return verdict
+
+    monkeypatch.setattr(decode, "verify_greedy", flip_one_token)
+    report = evaluate(cfg, target, head, tmp_path / "out")
+    assert flipped and report["lossless_mismatches"] == 1
+    assert sorted(r["matches_plain"] for r in report_rows(tmp_path / "out")) == [False, True]
 
 
 def test_acceptance_cli_names_a_missing_head(tmp_path):

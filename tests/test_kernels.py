@@ -13,19 +13,16 @@ SHAPES = [(1, 1), (2, 7), (3, 33), (2, 70)]  # (batch, nodes): a lone root, < 32
 
 
 def _links(tree):
-    _, _, _, _, next_token, next_sibling = reference.build_tree_tensors(
-        tree.parents, tree.depths, torch.zeros(tree.batch_size, dtype=torch.long, device=DEVICE)
-    )
+    _, next_token, next_sibling = reference.build_tree_tensors(tree.parents)
     return next_token, next_sibling
 
 
 @pytest.mark.parametrize("batch,nodes", SHAPES)
 def test_build_tree_tensors_matches_reference(batch, nodes):
     tree = random_tree(batch, nodes, 50, torch.Generator().manual_seed(nodes), device=DEVICE)
-    prefix = torch.arange(batch, device=DEVICE) * 5 + 3
-    expected = reference.build_tree_tensors(tree.parents, tree.depths, prefix)
-    got = triton_impl.build_tree_tensors(tree.parents, tree.depths, prefix)
-    names = ("mask", "packed", "positions", "retrieve_index", "next_token", "next_sibling")
+    expected = reference.build_tree_tensors(tree.parents)
+    got = triton_impl.build_tree_tensors(tree.parents)
+    names = ("mask", "next_token", "next_sibling")
     for name, want, have in zip(names, expected, got):
         assert have.dtype == want.dtype, name
         assert torch.equal(have, want), name
@@ -101,12 +98,10 @@ def test_compact_kv_matches_reference(batch, heads, length, dim):
 
 def test_dispatch_follows_device_and_forced_backend():
     tree = random_tree(2, 5, 10, torch.Generator().manual_seed(0), device=DEVICE)
-    prefix = torch.zeros(2, dtype=torch.long, device=DEVICE)
     try:
         for backend in ("auto", "torch", "triton"):
             kernels.set_backend(backend)
-            got = kernels.build_tree_tensors(tree.parents, tree.depths, prefix)
-            assert torch.equal(got[0], reference.build_tree_tensors(tree.parents, tree.depths, prefix)[0])
+            assert torch.equal(kernels.build_tree_tensors(tree.parents)[0], reference.build_tree_tensors(tree.parents)[0])
         kernels.set_backend("triton")
         assert kernels._implementation(tree.parents) is triton_impl
         kernels.set_backend("auto")

@@ -1,4 +1,4 @@
-"""Tree description (mask, packed mask, positions, links) and tree growth (dynamic, static, chain)."""
+"""Tree description (mask, positions, links) and tree growth (dynamic, static, chain)."""
 
 import functools
 import heapq
@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
+from specdistill.spec import kernels
 from specdistill.spec.tree import Tree, chain_tree, grow_dynamic_tree, static_tree
 from specdistill.target import with_kv_cache
 
@@ -40,32 +41,36 @@ def ancestors_and_self(parents: list[int], i: int) -> set[int]:
 @settings(max_examples=60, deadline=None)
 @given(tree=trees(), prefix=st.integers(0, 1000))
 def test_mask_positions_links_match_brute_force(tree, prefix):
-    t = tree.tensors(prefix)
+    t = tree.tensors
+    positions = tree.positions(prefix)
     B, N = tree.tokens.shape
-    assert t.mask_BNN.shape == (B, N, N) and t.packed_mask_BNW.shape == (B, N, (N + 31) // 32)
-    assert t.packed_mask_BNW.dtype == torch.int32
+    assert t.mask_BNN.shape == (B, N, N)
     for b in range(B):
         parents = tree.parents[b].tolist()
         for i in range(N):
             assert set(t.mask_BNN[b, i].nonzero().flatten().tolist()) == ancestors_and_self(parents, i)
-            bits = {w * 32 + k for w, word in enumerate(t.packed_mask_BNW[b, i].tolist()) for k in range(32)
-                    if (word >> k) & 1}
-            assert bits == ancestors_and_self(parents, i)
-            assert int(t.positions_BN[b, i]) == prefix + len(ancestors_and_self(parents, i)) - 1
-            assert int(t.retrieve_index_BN[b, i]) == b * N + i
+            assert int(positions[b, i]) == prefix + len(ancestors_and_self(parents, i)) - 1
             children = [j for j in range(N) if parents[j] == i]
             assert int(t.next_token_BN[b, i]) == (children[0] if children else -1)
             siblings = [j for j in range(i + 1, N) if parents[i] >= 0 and parents[j] == parents[i]]
             assert int(t.next_sibling_BN[b, i]) == (siblings[0] if siblings else -1)
-    assert torch.equal(tree.positions(prefix), t.positions_BN)
     assert torch.equal(tree.attention_mask(), t.mask_BNN)
+    assert all(torch.equal(a, b) for a, b in zip(tree.links(), (t.next_token_BN, t.next_sibling_BN)))
+
+
+def test_the_target_and_the_verifier_share_one_build(monkeypatch):
+    tree = Tree(torch.zeros(1, 3, dtype=torch.long), torch.tensor([[-1, 0, 1]]), torch.tensor([[0, 1, 2]]),
+                torch.zeros(1, 3))
+    builds, build = [], kernels.build_tree_tensors
+    monkeypatch.setattr(kernels, "build_tree_tensors", lambda parents: builds.append(1) or build(parents))
+    mask, (next_token, _) = tree.attention_mask(), tree.links()
+    assert len(builds) == 1 and mask[0, 2].tolist() == [True, True, True] and next_token[0].tolist() == [1, 2, -1]
 
 
 def test_per_row_prefix_lengths_and_bad_parents():
     tree = Tree(torch.zeros(2, 3, dtype=torch.long), torch.tensor([[-1, 0, 1], [-1, 0, 0]]),
                 torch.tensor([[0, 1, 2], [0, 1, 1]]), torch.zeros(2, 3))
     assert tree.positions(torch.tensor([5, 9])).tolist() == [[5, 6, 7], [9, 10, 10]]
-    assert tree.tensors(torch.tensor([5, 9])).positions_BN.tolist() == [[5, 6, 7], [9, 10, 10]]
     with pytest.raises(ValueError, match=r"parents\[1, 2\] = 2"):
         Tree(torch.zeros(2, 3, dtype=torch.long), torch.tensor([[-1, 0, 1], [-1, 0, 2]]),
              torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3))

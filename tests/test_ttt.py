@@ -18,7 +18,8 @@ HEAD_KINDS = ["eagle3", "mtp", "mtp3"]
 
 def tiny_head(kind="eagle3", vocab=96, draft=48, hidden=32, seed=0):
     torch.manual_seed(seed)
-    arch = HeadArch(hidden_size=hidden, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    arch = HeadArch(hidden_size=hidden, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     common = dict(arch=arch, vocab_size=vocab, draft_vocab_size=draft, target_hidden_size=hidden,
                   aux_layer_ids=[1, 2, 3], target_num_layers=6)
     if kind == "eagle3":

@@ -29,8 +29,8 @@ from specdistill.heads.eagle3 import Eagle3Head
 from specdistill.heads.fit import gram, ridge_solve
 
 SLOW_SHARE = 3 / 8  # of the rotary pairs, the slowest, used for the match (12 of 32 at head_dim 64)
-MATCH_SCALE = 1.0  # on queries and keys: a soft start that training sharpens (8,192 draft tokens: tau 2.39 at 1, 2.26 at 2;
-#                    on the document_parts=2 data, 2.33 at both 1 and 0.6)
+MATCH_SCALE = 1.0  # on queries and keys: a soft start that training sharpens; chosen against sharper and softer starts
+#                    (docs/results.md, "Copy heads")
 FC_RANDOM_SCALE = 0.1  # the random part of fc, beside the decoded token identity
 
 

@@ -27,6 +27,8 @@ class Eagle3Config(HeadConfigMixin):
     aux_layer_ids: list[int]  # decoder-layer outputs (1, L//2-1, L-4)
     target_num_layers: int
     kind: str = "eagle3"
+    target_name: str | None = None  # the target it was trained for (None: read back from an engine export)
+    target_embedding: str | None = None  # `embedding_fingerprint` of that target's input embedding
 
 
 class Eagle3Layer(nn.Module):

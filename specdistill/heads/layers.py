@@ -10,7 +10,7 @@ with an explicit mask). Both see the same q/k/v, so training and inference canno
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +28,9 @@ class HeadArch:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
+    rope_parameters: dict  # the target's, as transformers >= 5 spells them; no default, so none is guessed
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 8192
-    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
 
     def llama_config(self) -> LlamaConfig:
         return LlamaConfig(

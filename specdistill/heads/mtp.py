@@ -28,6 +28,8 @@ class MTPConfig(HeadConfigMixin):
     aux_layer_ids: list[int]  # what the feature store holds; the MTP head itself reads only `last`
     target_num_layers: int
     num_modules: int = 1
+    target_name: str | None = None  # the target it was trained for (None: read back from an engine export)
+    target_embedding: str | None = None  # `embedding_fingerprint` of that target's input embedding
     kind: str = "mtp"
 
 

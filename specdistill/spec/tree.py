@@ -12,11 +12,12 @@ Three ways to grow one, all driven by the same `step_fn` (see `StepFn`):
   of taken top-k, which is what lossless multi-candidate rejection sampling needs (see verify.py).
 
 Shape legend: B batch rows, N nodes, V vocabulary, K frontier width, C children per frontier node,
-W packed mask words.
+W ranked tokens per node.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,9 +44,6 @@ class TreeTensors:
     """What a target forward and a verifier need, built in one kernel call (see kernels.build_tree_tensors)."""
 
     mask_BNN: Tensor  # bool, row i = ancestors of i plus i
-    packed_mask_BNW: Tensor  # int32, bit j % 32 of word j // 32 set where mask[i, j]
-    positions_BN: Tensor  # prefix_len + depth
-    retrieve_index_BN: Tensor  # flat node id b * N + i
     next_token_BN: Tensor  # first (lowest-indexed) child, -1 for none
     next_sibling_BN: Tensor  # next higher-indexed child of the same parent, -1 for none
 
@@ -96,12 +94,11 @@ class Tree:
         """The deepest node's depth: at most this many draft tokens can be accepted in one round."""
         return int(self.depths.max())
 
-    def tensors(self, prefix_len: Tensor | int) -> TreeTensors:
-        """All descriptions at once. prefix_len: the number of committed tokens before the root (the
-        tokens already in the target's KV cache), an int or a [B] tensor; the root sits at position
-        prefix_len and node i at prefix_len + depth[i]."""
-        prefix_B = torch.as_tensor(prefix_len, dtype=torch.long, device=self.parents.device).expand(self.batch_size)
-        return TreeTensors(*kernels.build_tree_tensors(self.parents, self.depths, prefix_B))
+    @functools.cached_property
+    def tensors(self) -> TreeTensors:
+        """The attention mask and the links, built in one kernel call the first time the target or the verifier
+        asks, so a round builds its tree once."""
+        return TreeTensors(*kernels.build_tree_tensors(self.parents))
 
     def positions(self, prefix_len: Tensor | int) -> Tensor:
         """[B, N] = prefix_len + depth; prefix_len counts the committed tokens before the root."""
@@ -110,16 +107,11 @@ class Tree:
 
     def attention_mask(self) -> Tensor:
         """[B, N, N] bool, row i = ancestors of i plus i."""
-        return self.tensors(0).mask_BNN
+        return self.tensors.mask_BNN
 
-    def packed_mask(self) -> Tensor:
-        """[B, N, ceil(N / 32)] int32, bit j % 32 of word j // 32 set where attention_mask[i, j]."""
-        return self.tensors(0).packed_mask_BNW
-
-    def links(self) -> tuple[Tensor, Tensor, Tensor]:
-        """(retrieve_index, retrieve_next_token, retrieve_next_sibling), each [B, N], -1 for none."""
-        t = self.tensors(0)
-        return t.retrieve_index_BN, t.next_token_BN, t.next_sibling_BN
+    def links(self) -> tuple[Tensor, Tensor]:
+        """(next_token, next_sibling), each [B, N]: a node's first child and its next sibling, -1 for none."""
+        return self.tensors.next_token_BN, self.tensors.next_sibling_BN
 
 
 def _pick_children(

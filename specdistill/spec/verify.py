@@ -45,7 +45,7 @@ def _check_logits(tree: Tree, target_logits_BNV: Tensor) -> None:
 def verify_greedy(tree: Tree, target_logits_BNV: Tensor) -> Verdict:
     """Greedy verification (temperature 0)."""
     _check_logits(tree, target_logits_BNV)
-    _, next_token_BN, next_sibling_BN = tree.links()
+    next_token_BN, next_sibling_BN = tree.links()
     argmax_BN = target_logits_BNV.argmax(-1)
     return Verdict(*kernels.greedy_verify(tree.tokens, next_token_BN, next_sibling_BN, argmax_BN, tree.depth + 1))
 
@@ -102,7 +102,7 @@ def verify_rejection(
             )
         q_BNV = tree.child_probs
     p_BNV = sampling_probs(target_logits_BNV, temperature, top_k, top_p)
-    _, next_token_BN, next_sibling_BN = tree.links()
+    next_token_BN, next_sibling_BN = tree.links()
     device = tree.tokens.device
     coins_BN = torch.rand(tree.tokens.shape, generator=generator, device=device)
     final_u_B = torch.rand(tree.batch_size, generator=generator, device=device)

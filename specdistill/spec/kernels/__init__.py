@@ -37,10 +37,8 @@ def _implementation(tensor: Tensor) -> ModuleType:
     return importlib.import_module("specdistill.spec.kernels.triton_kernels")
 
 
-def build_tree_tensors(
-    parents_BN: Tensor, depths_BN: Tensor, prefix_len_B: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    return _implementation(parents_BN).build_tree_tensors(parents_BN, depths_BN, prefix_len_B)
+def build_tree_tensors(parents_BN: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return _implementation(parents_BN).build_tree_tensors(parents_BN)
 
 
 def greedy_verify(

@@ -5,7 +5,7 @@ These run on any device and are what CPU users get. Randomness never happens ins
 caller passes the uniform draws, so both backends consume the same numbers and give the same answer.
 
 Shape legend: B batch rows, N tree nodes, V vocabulary, S verdict slots (tree depth + 1),
-W packed mask words (ceil(N / 32)), H heads, L cache length, D head dim.
+H heads, L cache length, D head dim.
 """
 
 from __future__ import annotations
@@ -16,15 +16,13 @@ from torch import Tensor
 NONE = -1  # "no such node" in every index tensor
 
 
-def build_tree_tensors(
-    parents_BN: Tensor, depths_BN: Tensor, prefix_len_B: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Everything an attention backend and a verifier need from parent lists.
+def build_tree_tensors(parents_BN: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """What the target's tree attention and a verifier read from parent lists (nothing else: every output
+    is read, so a timing of this kernel counts no dead work).
 
-    Returns (mask_BNN bool: ancestors plus self, packed_BNW int32: bit j of word j // 32 = mask[.., j],
-    positions_BN = prefix_len + depth, retrieve_index_BN = flat node id b * N + i,
-    next_token_BN = lowest-indexed child, next_sibling_BN = next higher-indexed node with the same parent),
-    -1 where there is none. Parents must precede children (parents[b, i] < i, root's parent -1).
+    Returns (mask_BNN bool: ancestors plus self, next_token_BN = lowest-indexed child,
+    next_sibling_BN = next higher-indexed node with the same parent), -1 where there is none. Parents
+    must precede children (parents[b, i] < i, root's parent -1).
     """
     B, N = parents_BN.shape
     device = parents_BN.device
@@ -37,15 +35,6 @@ def build_tree_tensors(
         mask_BNN |= has_BN[:, :, None] & (ancestor_BN[:, :, None] == idx_N)
         ancestor_BN = torch.where(has_BN, parents_BN.gather(1, ancestor_BN.clamp(min=0)), ancestor_BN)
 
-    W = (N + 31) // 32
-    padded_BNX = torch.nn.functional.pad(mask_BNN, (0, W * 32 - N)).view(B, N, W, 32)
-    bit_values = torch.ones(32, dtype=torch.int64, device=device) << torch.arange(32, device=device)
-    words_BNW = (padded_BNX.long() * bit_values).sum(-1)  # in [0, 2**32)
-    packed_BNW = torch.where(words_BNW >= 2**31, words_BNW - 2**32, words_BNW).to(torch.int32)
-
-    positions_BN = prefix_len_B.to(device=device, dtype=torch.long)[:, None] + depths_BN
-    retrieve_index_BN = torch.arange(B, device=device)[:, None] * N + idx_N
-
     is_child_BNN = parents_BN[:, None, :] == idx_N[None, :, None]  # [b, i, j]: j is a child of i
     next_token_BN = torch.where(is_child_BNN, idx_N, N).amin(-1)
     later_sibling_BNN = (
@@ -56,7 +45,7 @@ def build_tree_tensors(
     next_sibling_BN = torch.where(later_sibling_BNN, idx_N, N).amin(-1)
     next_token_BN = torch.where(next_token_BN == N, NONE, next_token_BN)
     next_sibling_BN = torch.where(next_sibling_BN == N, NONE, next_sibling_BN)
-    return mask_BNN, packed_BNW, positions_BN, retrieve_index_BN, next_token_BN, next_sibling_BN
+    return mask_BNN, next_token_BN, next_sibling_BN
 
 
 def empty_verdict(B: int, num_slots: int, device) -> tuple[Tensor, Tensor, Tensor]:

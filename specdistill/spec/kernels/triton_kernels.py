@@ -1,12 +1,12 @@
-"""Triton kernels for the tree: build (mask, packed mask, positions, links), greedy verification,
+"""Triton kernels for the tree: build (mask, links), greedy verification,
 rejection sampling and KV compaction. Same signatures and results as `reference.py`.
 
 One program per tree row (or per (row, node) / (row, head)); a tree is at most a few hundred nodes,
 so each program holds a whole row of nodes in registers and walks the tree with scalar loads, as a
 serving engine's verifier does. Runs on CUDA tensors, or on CPU under TRITON_INTERPRET=1.
 
-Shape legend: B batch rows, N tree nodes, V vocabulary, S verdict slots, W packed mask words,
-H heads, L cache length, D head dim.
+Shape legend: B batch rows, N tree nodes, V vocabulary, S verdict slots, H heads, L cache length,
+D head dim.
 """
 
 from __future__ import annotations
@@ -22,20 +22,12 @@ VOCAB_BLOCK = 1024  # vocabulary columns per step of the rejection sampler's row
 # Inside kernels "no such node" is the literal -1 (reference.NONE): Triton reads only constexpr globals.
 
 
-def _block(n: int, at_least: int = 16) -> int:
-    return max(at_least, triton.next_power_of_2(n))
+def _block(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
 
 
 @triton.jit
-def _bit_or(a, b):
-    return a | b
-
-
-@triton.jit
-def _build_tree_kernel(
-    parents_ptr, depths_ptr, prefix_ptr, mask_ptr, packed_ptr, positions_ptr, index_ptr, next_token_ptr,
-    next_sibling_ptr, N, W, BLOCK_N: tl.constexpr,
-):
+def _build_tree_kernel(parents_ptr, mask_ptr, next_token_ptr, next_sibling_ptr, N, BLOCK_N: tl.constexpr):
     b = tl.program_id(0)
     i = tl.program_id(1)
     row = b * N
@@ -50,15 +42,6 @@ def _build_tree_kernel(
         cur = tl.load(parents_ptr + row + cur)
     tl.store(mask_ptr + (row + i) * N + offs, ancestors, mask=in_tree)
 
-    one = tl.full((BLOCK_N,), 1, tl.int32)
-    bits = tl.where(ancestors, one << (offs % 32).to(tl.int32), 0)
-    words = tl.reduce(tl.reshape(bits, (BLOCK_N // 32, 32)), 1, _bit_or)
-    word_offs = tl.arange(0, BLOCK_N // 32)
-    tl.store(packed_ptr + (row + i) * W + word_offs, words, mask=word_offs < W)
-
-    tl.store(positions_ptr + row + i, tl.load(prefix_ptr + b) + tl.load(depths_ptr + row + i))
-    tl.store(index_ptr + row + i, (row + i).to(tl.int64))
-
     first_child = tl.min(tl.where(parents == i, offs, N), axis=0)
     tl.store(next_token_ptr + row + i, tl.where(first_child == N, -1, first_child).to(tl.int64))
     my_parent = tl.load(parents_ptr + row + i)
@@ -67,24 +50,14 @@ def _build_tree_kernel(
     tl.store(next_sibling_ptr + row + i, tl.where(sibling == N, -1, sibling).to(tl.int64))
 
 
-def build_tree_tensors(
-    parents_BN: Tensor, depths_BN: Tensor, prefix_len_B: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def build_tree_tensors(parents_BN: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     B, N = parents_BN.shape
-    W = (N + 31) // 32
     device = parents_BN.device
-    parents_BN = parents_BN.contiguous()
     mask_BNN = torch.empty((B, N, N), dtype=torch.bool, device=device)
-    packed_BNW = torch.empty((B, N, W), dtype=torch.int32, device=device)
-    positions_BN, index_BN, next_token_BN, next_sibling_BN = (
-        torch.empty((B, N), dtype=torch.long, device=device) for _ in range(4)
-    )
-    _build_tree_kernel[(B, N)](
-        parents_BN, depths_BN.contiguous(), prefix_len_B.to(device=device, dtype=torch.long).contiguous(),
-        mask_BNN, packed_BNW, positions_BN, index_BN, next_token_BN, next_sibling_BN, N, W,
-        BLOCK_N=_block(N, at_least=32),
-    )
-    return mask_BNN, packed_BNW, positions_BN, index_BN, next_token_BN, next_sibling_BN
+    next_token_BN, next_sibling_BN = (torch.empty((B, N), dtype=torch.long, device=device) for _ in range(2))
+    _build_tree_kernel[(B, N)](parents_BN.contiguous(), mask_BNN, next_token_BN, next_sibling_BN, N,
+                               BLOCK_N=_block(N))
+    return mask_BNN, next_token_BN, next_sibling_BN
 
 
 @triton.jit
