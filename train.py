@@ -10,7 +10,7 @@
 import hydra
 from omegaconf import DictConfig
 
-from specdistill.cli import exit_on_user_error
+from specdistill.cli import exit_on_user_error, run_main
 from specdistill.config import register, to_run_config
 from specdistill.pipeline import run_stages
 from specdistill.summary import print_summary
@@ -25,4 +25,4 @@ def main(dict_cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -10,7 +10,7 @@ import hydra
 from omegaconf import DictConfig
 
 from specdistill.capture.run import run
-from specdistill.cli import exit_on_user_error
+from specdistill.cli import exit_on_user_error, run_main
 from specdistill.config import register, to_run_config
 from specdistill.distributed import leave_launch
 from specdistill.pipeline import LazyTarget
@@ -28,4 +28,4 @@ def main(dict_cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -9,7 +9,7 @@ import logging
 import hydra
 from omegaconf import DictConfig
 
-from specdistill.cli import exit_on_user_error
+from specdistill.cli import exit_on_user_error, run_main
 from specdistill.config import register, to_run_config
 from specdistill.data.prepare import data_dir_of, run
 from specdistill.distributed import leave_launch
@@ -30,4 +30,4 @@ def main(dict_cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -12,7 +12,7 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from specdistill.cli import exit_on_user_error
+from specdistill.cli import exit_on_user_error, run_main
 from specdistill.evaluate.acceptance import head_override, register
 from specdistill.evaluate.acceptance import main as evaluate_acceptance
 
@@ -26,4 +26,4 @@ def main(dict_cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     sys.argv = head_override(sys.argv)
-    main()
+    run_main(main)

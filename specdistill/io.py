@@ -1,9 +1,11 @@
-"""Atomic writes (temp file + rename) and hashing, shared by every stage that writes artifacts."""
+"""Atomic writes (temp file + rename), hashing and checksummed directories, shared by every stage that writes
+artifacts."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -13,6 +15,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+log = logging.getLogger(__name__)
+CHECKSUMS = "checksums.json"
 
 
 def _default_mode(path: Path, base: int) -> None:
@@ -49,9 +54,22 @@ def write_jsonl(path: str | os.PathLike, rows) -> None:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
+class JsonlError(ValueError):
+    """A JSON-lines file holds a line that is not UTF-8 JSON; the message names the file and the line."""
+
+
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """Every non-blank line of `path` as JSON (a UTF-8 byte-order mark is skipped)."""
+    rows = []
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
+                if line.strip():
+                    rows.append(json.loads(line))
+            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                raise JsonlError(f"{path}, line {line_no}: not a UTF-8 JSON line ({err})") from err
+    return rows
 
 
 def save_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
@@ -67,6 +85,40 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+class CorruptFile(ValueError):
+    """A file differs from the checksum recorded when it was written, or is missing or unreadable; the message
+    names it."""
+
+
+def write_checksums(directory: str | os.PathLike) -> None:
+    """Record the sha256 of every file under `directory` in its checksums.json (call it once the rest is written)."""
+    directory = Path(directory)
+    sums = {p.relative_to(directory).as_posix(): sha256_file(p) for p in sorted(directory.rglob("*"))
+            if p.is_file() and p.name != CHECKSUMS}
+    write_json(directory / CHECKSUMS, sums)
+
+
+def verify_checksums(directory: str | os.PathLike) -> None:
+    """Raise CorruptFile naming the first file under `directory` that is missing or differs from its recorded
+    sha256. A directory written before checksums were recorded is let through with a warning."""
+    directory = Path(directory)
+    if not (directory / CHECKSUMS).exists():
+        log.warning("%s has no %s (written by an older version): its files are not verified", directory, CHECKSUMS)
+        return
+    try:
+        sums = json.loads((directory / CHECKSUMS).read_text())
+    except ValueError as err:  # bad UTF-8 or bad JSON
+        raise CorruptFile(f"{directory / CHECKSUMS}: unreadable ({err})") from err
+    for name, want in sums.items():
+        path = directory / name
+        if not path.is_file():
+            raise CorruptFile(f"{path}: missing (listed in {directory / CHECKSUMS})")
+        found = sha256_file(path)
+        if found != want:
+            raise CorruptFile(f"{path}: sha256 {found[:12]}..., {CHECKSUMS} records {want[:12]}... (corrupted or "
+                              "rewritten since it was saved)")
+
+
 def weights_fingerprint(model: torch.nn.Module, head: int = 256) -> str:
     """sha256 over every parameter's name, shape and first `head` values: cheap even for a 70B target, and
     it tells apart weights re-saved under the same name (a fine-tuned local dir, another random seed)."""
@@ -74,6 +126,15 @@ def weights_fingerprint(model: torch.nn.Module, head: int = 256) -> str:
     for name, param in model.named_parameters():
         digest.update(f"{name}{tuple(param.shape)}".encode())
         digest.update(param.detach().reshape(-1)[:head].float().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def embedding_fingerprint(weight_VD: torch.Tensor, rows: int = 4096) -> str:
+    """sha256 over an embedding's shape and every value (as float32, `rows` rows at a time, so memory stays small):
+    what tells a head's target apart from another with the same shapes (a fine-tune, another random seed)."""
+    digest = hashlib.sha256(str(tuple(weight_VD.shape)).encode())
+    for start in range(0, weight_VD.shape[0], rows):
+        digest.update(weight_VD[start:start + rows].detach().float().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()
 
 

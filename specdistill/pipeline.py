@@ -15,8 +15,17 @@ from omegaconf import OmegaConf
 
 from specdistill.config import RunConfig
 from specdistill.distributed import launch_device, leave_launch
+from specdistill.fingerprint import check_head_is_current
+from specdistill.heads import check_head_fits_target, load_head, trained_head_dir
 from specdistill.io import write_json
-from specdistill.target import Target, bf16_is_native, check_capture_layers, load_target, resolve_source
+from specdistill.redact import redact_urls
+from specdistill.target import (
+    Target,
+    bf16_is_native,
+    check_against_target,
+    load_target,
+    resolve_source,
+)
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +40,14 @@ SECRET_FIELD = re.compile(r"(^|_)(token|api_key|key|secret|password)$", re.IGNOR
 
 
 def scrub_secrets(node):
-    """A copy with every secret-looking field (`hf_token`, `api_key`, ...) blanked."""
+    """A copy with every secret-looking field (`hf_token`, `api_key`, ...) blanked and every URL's
+    user:password and query values hidden (`data.generation.server_url` may carry a key)."""
     if isinstance(node, dict):
         return {k: ("***" if SECRET_FIELD.search(str(k)) and v else scrub_secrets(v)) for k, v in node.items()}
     if isinstance(node, list):
         return [scrub_secrets(v) for v in node]
+    if isinstance(node, str):
+        return redact_urls(node)
     return node
 
 
@@ -64,8 +76,17 @@ class LazyTarget:
         return self._target
 
 
+def check_kept_head(cfg: RunConfig, target: LazyTarget, stage: str) -> None:
+    """The head evaluate or export takes from ckpt/ was trained on this run's data and settings and (evaluate,
+    which loads the target anyway) fits this target: else the stage stops before it scores or ships a stale head."""
+    head_dir = trained_head_dir(cfg.run_dir)
+    check_head_is_current(head_dir, cfg)
+    if stage == "evaluate":
+        check_head_fits_target(load_head(head_dir), target.get(), head_dir)
+
+
 def run_stages(cfg: RunConfig) -> dict[str, dict]:
-    check_capture_layers(cfg.target, resolve_source(cfg.target))  # fail before any work
+    check_against_target(cfg, resolve_source(cfg.target))  # fail before any work
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     write_json(cfg.run_dir / "config.json", redacted(cfg))
     target = LazyTarget(cfg)
@@ -73,6 +94,8 @@ def run_stages(cfg: RunConfig) -> dict[str, dict]:
     for stage in cfg.stages:
         t0 = time.time()
         log.info("stage %s: start", stage)
+        if stage in ("evaluate", "export"):
+            check_kept_head(cfg, target, stage)
         results[stage] = importlib.import_module(STAGE_ENTRIES[stage]).run(cfg, target) or {}
         results[stage]["seconds"] = round(time.time() - t0, 1)
         log.info("stage %s: done in %.1fs", stage, time.time() - t0)

@@ -18,6 +18,8 @@ def print_summary(cfg: RunConfig, results: dict[str, dict]) -> None:
         e = results["evaluate"]
         lines.append(f"  tau {e['tau']:.2f}, speedup {e['speedup']:.2f}x vs plain greedy, "
                      f"lossless mismatches {e['lossless_mismatches']}")
+        if e.get("engine"):
+            lines.append(f"  engine: {e['engine']['line']}")
         lines.append(f"  report: {e['report']}")
     if "export" in results:
         for fmt, path in results["export"].get("formats", {}).items():

@@ -28,6 +28,8 @@ def test_two_process_capture_matches_one_process(tmp_path):
         f"target.random.hidden_size={TINY.hidden_size}",
         f"target.random.intermediate_size={TINY.intermediate_size}",
         f"target.random.num_hidden_layers={TINY.num_hidden_layers}",
+        f"target.random.num_attention_heads={TINY.num_attention_heads}",
+        f"target.random.num_key_value_heads={TINY.num_key_value_heads}",
         f"capture.shard_tokens={cfg.capture.shard_tokens}",
         f"capture.batch_tokens={cfg.capture.batch_tokens}",
     ]

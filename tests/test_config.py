@@ -10,8 +10,14 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from specdistill.config import ConfigError, RunConfig, register, to_run_config
-from specdistill.pipeline import redacted, scrub_secrets
-from specdistill.target import TargetNotFound, check_capture_layers, resolve_layer_ids
+from specdistill.pipeline import redacted, run_stages, scrub_secrets
+from specdistill.target import (
+    TargetNotFound,
+    check_against_target,
+    check_capture_layers,
+    check_vocab_fits,
+    resolve_layer_ids,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 register()
@@ -55,11 +61,34 @@ def test_schema_defaults_are_the_embedded_default():
      ("head.copy_init=false head.copy_slow_pairs_only=true", "head.copy_slow_pairs_only"),
      ("data.synth.back_translations=9 data.synth.back_translation_source=Nope", "data.synth.back_translation_source"),
      ("data.synth.back_translations=9 data.synth.back_translation_prompt=German", "data.synth.back_translation_prompt"),
-     ("train.served_vocab_size=100", "train.served_vocab_size")],
+     ("train.served_vocab_size=100", "train.served_vocab_size"),
+     ("train.grad_clip=-1", "train.grad_clip"), ("train.max_steps=-5", "train.max_steps"),
+     ("train.epochs=-1", "train.epochs"), ("train.holdout_share=-0.5", "train.holdout_share"),
+     ("train.holdout_share=1.5", "train.holdout_share"), ("train.warmup_ratio=-2", "train.warmup_ratio"),
+     ("data.synth.answer_max_tokens=-5", "data.synth.answer_max_tokens"),
+     ("data.synth.num_conversations=-4", "data.synth.num_conversations"),
+     ("data.generation.top_p=0", "data.generation.top_p"), ("data.generation.chunk_rows=0", "data.generation.chunk_rows"),
+     ("data.limit=0", "data.limit"), ("train.betas=[0.9,1.5]", "train.betas"),
+     ("target.random.num_hidden_layers=0", "target.random.num_hidden_layers"),
+     ("export.formats=[]", "export.formats")],
 )
 def test_config_errors_name_the_field(override, field):
     with pytest.raises(ConfigError, match=f"`{field}`"):
         compose_cfg(*override.split())
+
+
+def test_draft_vocab_larger_than_the_target_fails_before_any_work(tmp_path):
+    """The target's vocabulary is read from its config before synthesis, not found out hours later."""
+    cfg = compose_cfg("+exp=smoke", f"run_root={tmp_path}", "data.draft_vocab_size=400", "train.served_vocab_size=null")
+    with pytest.raises(ConfigError, match="`data.draft_vocab_size`: got 400, but the target `random` has only 384"):
+        run_stages(cfg)
+    assert not (tmp_path / "smoke").exists()
+    cfg = compose_cfg("+exp=smoke", "train.served_vocab_size=50000")
+    with pytest.raises(ConfigError, match="`train.served_vocab_size`: got 50000"):
+        check_against_target(cfg, "random")
+    check_vocab_fits(compose_cfg(), 49152)  # the embedded default fits its target
+    with pytest.raises(ConfigError, match="`data.draft_vocab_size`"):
+        check_against_target(compose_cfg("data.draft_vocab_size=60000", "train.served_vocab_size=null"), "")
 
 
 def test_capture_layers_are_checked_against_the_target():
@@ -82,6 +111,17 @@ def test_secret_fields_are_blanked_and_token_counts_are_not():
     assert redacted(compose_cfg())["data"]["generation"]["max_new_tokens"] == 192
 
 
+def test_a_key_inside_the_server_url_is_not_saved(tmp_path):
+    cfg = compose_cfg("+exp=smoke", f"run_root={tmp_path}", "stages=[export]")
+    cfg.data.generation.server_url = "https://bob:pw-in-url@llm.example:8443/v1?api-key=sk-in-query"
+    saved = redacted(cfg)["data"]["generation"]["server_url"]
+    assert saved == "https://***@llm.example:8443/v1?api-key=***"
+    with pytest.raises(FileNotFoundError):  # no head to export; config.json is written first
+        run_stages(cfg)
+    text = (tmp_path / "smoke" / "config.json").read_text()
+    assert "llm.example" in text and "pw-in-url" not in text and "sk-in-query" not in text
+
+
 def run_train(*args, env=None):
     return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
@@ -93,6 +133,12 @@ def test_llama8b_config_prints_without_loading_anything():
     for text in ("meta-llama/Llama-3.1-8B-Instruct", "capture_layers:\n  - 1\n  - 15\n  - 28", "deepspeed: zero2",
                  "mode: online", "dtype: bfloat16", "ultrachat"):
         assert text in proc.stdout
+
+
+def test_a_config_hydra_cannot_compose_exits_2_like_ours():
+    """One exit code for every mistake the user can fix; 1 is left to bugs."""
+    proc = run_train("train.no_such_field=1")
+    assert proc.returncode == 2 and "no_such_field" in proc.stdout + proc.stderr
 
 
 def test_missing_model_fails_at_once_with_one_line(tmp_path):

@@ -8,7 +8,7 @@ import datasets
 import pytest
 from hydra import compose, initialize_config_dir
 
-from specdistill.config import register, to_run_config
+from specdistill.config import ConfigError, register, to_run_config
 from specdistill.data.prepare import load_prepared, run
 from specdistill.data.rejects import RowError, TooManyRejects
 from specdistill.data.sources import read_conversations, to_messages
@@ -133,3 +133,52 @@ def test_num_proc_gives_the_same_samples(tmp_path):
     run(two, LazyTarget(two))
     a, b = load_prepared(tmp_path / "one").samples, load_prepared(tmp_path / "two").samples
     assert a["input_ids"] == b["input_ids"] and a["loss_mask"] == b["loss_mask"]
+
+
+def test_bytes_that_are_not_utf8_reject_their_line_and_a_bom_costs_nothing(tmp_path):
+    path = tmp_path / "chats.jsonl"
+    good = json.dumps({"messages": EXPECTED}).encode()
+    bad = json.dumps({"messages": [{"role": "user", "content": "caf_"}, EXPECTED[1]]}).encode().replace(b"_", b"\xe9")
+    path.write_bytes(b"\xef\xbb\xbf" + good + b"\n" + bad + b"\n" + good + b"\n")
+    items = list(read_conversations([str(path)], "auto"))
+    assert [i.error is None for i in items] == [True, False, True]
+    assert items[1].position == "line 2" and items[1].error.reason == "invalid_utf8"
+    assert items[1].error.detail == "byte 46 (b'\\xe9') is not valid UTF-8"
+
+
+def test_every_row_bad_writes_the_rejects_and_fails_in_one_line(tmp_path):
+    source = tmp_path / "chats.jsonl"
+    unreadable = [line for line, reason in BROKEN_LINES if reason != "no_assistant_turn"]  # none reaches the tokenizer
+    source.write_text("\n".join(unreadable) + "\n")
+    cfg = jsonl_cfg(source, tmp_path / "out")
+    with pytest.raises(TooManyRejects, match=f"all {len(unreadable)} rows were rejected"):
+        run(cfg, LazyTarget(cfg))
+    assert len(read_jsonl(tmp_path / "out" / "rejects.jsonl")) == len(unreadable)
+
+
+def test_a_missing_or_empty_data_path_is_named(tmp_path):
+    cfg = jsonl_cfg(tmp_path / "missing.jsonl", tmp_path / "out")
+    with pytest.raises(FileNotFoundError, match=r"`data.path`.*missing.jsonl does not exist"):
+        run(cfg, LazyTarget(cfg))
+    (tmp_path / "empty.jsonl").write_text("\n")
+    cfg = jsonl_cfg(tmp_path / "empty.jsonl", tmp_path / "out")
+    with pytest.raises(ConfigError, match=r"`data.path`.*empty.jsonl'\] holds no rows"):
+        run(cfg, LazyTarget(cfg))
+
+
+def test_prompts_past_the_context_are_rejected_before_generation(tmp_path):
+    """A huge row is rejected on its length in characters, a long one on its prompt tokens, before either
+    reaches the generator (one 5 MB row once took 7 GB there)."""
+    source = tmp_path / "chats.jsonl"
+    rows = [{"turns": [f"question {i}"]} for i in range(6)]
+    rows[2] = {"turns": ["x" * 64 * 64 * 3]}  # past 64 tokens x 64 characters
+    rows[4] = {"turns": ["y " * 100]}  # 200 characters, over 64 prompt tokens
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = jsonl_cfg(source, tmp_path / "out", "data.regenerate=true", "data.max_length=64",
+                    "data.generation.max_new_tokens=4", "data.max_reject_share=0.5")
+    summary = run(cfg, LazyTarget(cfg))
+    rejects = read_jsonl(tmp_path / "out" / "rejects.jsonl")
+    assert [(r["position"], r["reason"]) for r in rejects] == [("line 3", "overlong_prompt"),
+                                                                ("line 5", "overlong_prompt")]
+    assert "characters" in rejects[0]["detail"] and "tokens" in rejects[1]["detail"]
+    assert summary["samples"] == 4

@@ -6,7 +6,7 @@ import stat
 
 import pytest
 
-from specdistill.io import atomic_dir, write_json
+from specdistill.io import CorruptFile, atomic_dir, verify_checksums, write_checksums, write_json
 
 
 @pytest.fixture
@@ -33,3 +33,21 @@ def test_a_failed_write_leaves_the_old_content_and_no_temp_files(tmp_path):
         write_json(tmp_path / "summary.json", {"bad": object()})
     assert (tmp_path / "summary.json").read_text() == '{\n  "old": true\n}\n'
     assert sorted(p.name for p in tmp_path.iterdir()) == ["summary.json"]
+
+
+def test_checksums_name_the_changed_missing_or_unreadable_file(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.bin").write_bytes(b"abc")
+    (tmp_path / "sub" / "b.json").write_text("{}")
+    write_checksums(tmp_path)
+    verify_checksums(tmp_path)
+    (tmp_path / "a.bin").write_bytes(b"abd")
+    with pytest.raises(CorruptFile, match=r"a.bin: sha256 .* checksums.json records"):
+        verify_checksums(tmp_path)
+    (tmp_path / "a.bin").write_bytes(b"abc")
+    (tmp_path / "sub" / "b.json").unlink()
+    with pytest.raises(CorruptFile, match=r"sub/b.json: missing"):
+        verify_checksums(tmp_path)
+    (tmp_path / "checksums.json").write_bytes(b"\xff{")
+    with pytest.raises(CorruptFile, match=r"checksums.json: unreadable"):
+        verify_checksums(tmp_path)

@@ -177,6 +177,11 @@ def _existing_store(out_dir: Path, header: dict) -> FeatureStore | None:
             "the feature store at %s was captured with other settings (%s); capturing again", out_dir, reason
         )
         return None
+    try:
+        store.verify()  # a complete store is re-used only when every shard still hashes as recorded
+    except FeatureStoreError as err:
+        log.warning("%s; recapturing the shards that differ from their records", err)
+        return None
     return store
 
 

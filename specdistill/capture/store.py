@@ -19,6 +19,7 @@ K teacher top-k.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
 import logging
 import random
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load
 
 from specdistill.io import save_tensors, sha256_file, write_json
 
@@ -230,6 +231,7 @@ class FeatureStore:
             self._starts.append(self._starts[-1] + shard["samples"])
         self.lengths: list[int] = [n for shard in self.shards for n in shard["lengths"]]
         self.source_indices: list[int] = [i for shard in self.shards for i in shard["sample_indices"]]
+        self._verified: set[int] = set()  # shards whose sha256 matched the manifest (each is hashed once)
         self._check_sizes()
 
     def __len__(self) -> int:
@@ -298,12 +300,29 @@ class FeatureStore:
         if not torch.equal(tensors["offsets"].diff(), lengths) or int(tensors["offsets"][0]) != 0:
             raise FeatureStoreError(f"{where}: `offsets` disagree with the sample lengths in the manifest")
 
-    def load_shard(self, k: int) -> dict[str, torch.Tensor]:
-        """All tensors of the k-th shard, shape-checked; unreadable files are named in the error."""
+    def _check_hash(self, k: int, data: bytes | None = None) -> None:
+        """The k-th shard's sha256 (of `data`, its bytes when already read) against the manifest's, once per
+        store: a flipped byte is never trained on."""
+        if k in self._verified:
+            return
         shard = self.shards[k]
         path = self.path / shard["file"]
+        digest = hashlib.sha256(data).hexdigest() if data is not None else sha256_file(path)
+        if digest != shard["sha256"]:
+            raise FeatureStoreError(
+                f"{path}: sha256 {digest[:12]}..., the manifest records {shard['sha256'][:12]}... (corrupted or "
+                "rewritten); run the capture stage again (stages=[capture]), which recaptures that shard"
+            )
+        self._verified.add(k)
+
+    def load_shard(self, k: int) -> dict[str, torch.Tensor]:
+        """All tensors of the k-th shard, hashed while read and shape-checked; a bad file is named in the error."""
+        shard = self.shards[k]
+        path = self.path / shard["file"]
+        data = path.read_bytes()
+        self._check_hash(k, data)
         try:
-            tensors = load_file(str(path))
+            tensors = load(data)
         except Exception as err:
             raise FeatureStoreError(f"{path}: unreadable shard ({err}); recapture") from err
         self._check_shapes(shard, tensors)
@@ -318,6 +337,7 @@ class FeatureStore:
         """Per-token tensors of store sample i, read from its shard without loading the rest of it."""
         k, j = self.locate(i)
         path = self.path / self.shards[k]["file"]
+        self._check_hash(k)
         try:
             with safe_open(str(path), framework="pt") as f:
                 offsets = f.get_tensor("offsets")
@@ -341,14 +361,7 @@ class FeatureStore:
     def verify(self) -> None:
         """Hash and shape-check every shard; the first bad one is named in the error."""
         self._check_sizes()
-        for k, shard in enumerate(self.shards):
-            path = self.path / shard["file"]
-            digest = sha256_file(path)
-            if digest != shard["sha256"]:
-                raise FeatureStoreError(
-                    f"{path}: sha256 {digest[:12]}..., the manifest records "
-                    f"{shard['sha256'][:12]}... (corrupted or rewritten); recapture"
-                )
+        for k in range(len(self.shards)):
             self.load_shard(k)
         log.info(
             "verified %d shards (%d samples, %d tokens) in %s",

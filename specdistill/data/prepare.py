@@ -17,20 +17,21 @@ Arrow files on disk, and the statistics are gathered batch by batch.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from itertools import islice
 from pathlib import Path
+from typing import NoReturn
 
 import datasets
 import torch
 
 from specdistill.cache import ResultCache, content_key
-from specdistill.config import RunConfig
+from specdistill.config import ConfigError, RunConfig
 from specdistill.data.generate import LocalGenerator
 from specdistill.data.openai_client import OpenAIBackend
 from specdistill.data.regenerate import (
@@ -39,17 +40,18 @@ from specdistill.data.regenerate import (
     row_key,
     sampling_params,
 )
-from specdistill.data.rejects import RejectLog, RowError
+from specdistill.data.rejects import RejectLog, RowError, TooManyRejects
 from specdistill.data.sources import SourceRow, read_conversations
 from specdistill.data.synth import synthesize
 from specdistill.data.template import ChatFormat
 from specdistill.data.vocab import DraftVocab, build_draft_vocab, count_tokens
 from specdistill.distributed import join_launch
 from specdistill.io import atomic_dir, write_json
-from specdistill.target import Target, computing_in
+from specdistill.target import Target, check_vocab_fits, computing_in
 
 log = logging.getLogger(__name__)
 
+MAX_CHARS_PER_TOKEN = 64  # more than any real token spans (runs of whitespace aside)
 CONVERSATION_FEATURES = datasets.Features({"messages": datasets.Value("string"),
                                            "provenance": datasets.Value("string")})
 SAMPLE_FEATURES = datasets.Features({
@@ -114,6 +116,7 @@ def run(cfg: RunConfig, target) -> dict:
     timings: dict[str, float] = {}
     t0 = time.time()
     tgt: Target = target.get()
+    check_vocab_fits(cfg, tgt.vocab_size)  # again on the loaded model: a GGUF-only target's size is known only now
     chat = ChatFormat(tgt.tokenizer)
     cache = ResultCache(data_dir / "cache", rank)
     timings["load_target_s"] = time.time() - t0
@@ -135,11 +138,14 @@ def run(cfg: RunConfig, target) -> dict:
             return _wait_for_rank0(data_dir)
         stream, collect_rejects = iter(sources), sources.rejects
         counted = collect_rejects
+    first = next(stream, None)  # read here, not inside `from_generator`, whose wrapper hides the cause
+    if first is None:
+        _no_usable_rows(cfg, data_dir, collect_rejects, 0 if cfg.data.source == "synth" else sources.total)
     build_dir = data_dir / ".build"  # Arrow files of the conversations and tokenized rows, until saved
     shutil.rmtree(build_dir, ignore_errors=True)
     conversations = datasets.Dataset.from_generator(
-        _conversation_rows, gen_kwargs={"stream": stream}, features=CONVERSATION_FEATURES, cache_dir=str(build_dir),
-        fingerprint=want)
+        _conversation_rows, gen_kwargs={"stream": itertools.chain([first], stream)}, features=CONVERSATION_FEATURES,
+        cache_dir=str(build_dir), fingerprint=want)
     total_rows = len(conversations) if cfg.data.source == "synth" else sources.total  # counted while drained
     timings["conversations_s"] = time.time() - t0
 
@@ -161,7 +167,8 @@ def run(cfg: RunConfig, target) -> dict:
         failing.extend(part)
     failing.check_share(total_rows, cfg.data.max_reject_share, data_dir / "rejects.jsonl")
     if len(samples) == 0:
-        raise RuntimeError(f"prepare produced no samples from {total_rows} conversations; see {data_dir / 'rejects.jsonl'}")
+        raise TooManyRejects(f"prepare produced no samples from {total_rows} conversations; see "
+                             f"{data_dir / 'rejects.jsonl'}")
     _save_samples(samples, data_dir / "samples")
     shutil.rmtree(build_dir, ignore_errors=True)
     vocab.save(data_dir / "vocab.safetensors")
@@ -174,6 +181,15 @@ def run(cfg: RunConfig, target) -> dict:
     if world > 1:
         torch.distributed.barrier()
     return summary
+
+
+def _no_usable_rows(cfg: RunConfig, data_dir: Path, rejects: RejectLog, total_rows: int) -> NoReturn:
+    """Not one conversation to tokenize: say why, with every reject written for the user to read."""
+    if cfg.data.source != "synth" and total_rows == 0:
+        raise ConfigError(f"config field `data.path`: {[cfg.data.path, *cfg.data.mix]} holds no rows")
+    rejects.write(data_dir / "rejects.jsonl")
+    what = "synthesis kept no conversation" if cfg.data.source == "synth" else f"all {total_rows} rows were rejected"
+    raise TooManyRejects(f"{what} ({rejects.by_reason()}); see {data_dir / 'rejects.jsonl'}")
 
 
 def _wait_for_rank0(data_dir: Path) -> dict:
@@ -213,16 +229,18 @@ class SourceConversations:
             self.backend = OpenAIBackend(generation, cfg.target.name)
         else:
             self.backend = LocalBackend(_local_generator(cfg, tgt, chat, generation.batch_size), chat, generation,
-                                        cfg.seed)
+                                        cfg.seed, max_prompt_tokens=cfg.data.max_length)
 
     def __iter__(self) -> Iterator[dict]:
         data = self.cfg.data
         rows = read_conversations([data.path, *data.mix], data.format, data.split, data.streaming, data.limit)
         window_rows = data.generation.chunk_rows * (self.world if data.regenerate else 1)
-        while window := list(islice(rows, window_rows)):
+        while window := list(itertools.islice(rows, window_rows)):
             self.total += len(window)
             good = []
             for item in window:
+                if item.error is None and data.regenerate:
+                    item.error = prompt_too_long(item.row["messages"], data.max_length)
                 if item.error is not None:
                     self.rejects.add(item.source, item.position, item.error)
                 else:
@@ -255,6 +273,16 @@ class SourceConversations:
                                  RowError("regeneration_failed", "no regenerated answer (see the other ranks' logs)"))
                 continue
             yield {"messages": entry["messages"], "provenance": self._provenance(row, True)}
+
+
+def prompt_too_long(messages: list[dict], max_length: int) -> RowError | None:
+    """A RowError when the turns the target reads (system and user; the answers are regenerated) hold more
+    characters than `max_length` tokens can: such a row is rejected before it is tokenized or generated."""
+    chars = sum(len(m["content"]) for m in messages if m["role"] != "assistant")
+    if chars > max_length * MAX_CHARS_PER_TOKEN:
+        return RowError("overlong_prompt", f"the prompt turns hold {chars} characters, more than data.max_length="
+                                           f"{max_length} tokens can (at most {MAX_CHARS_PER_TOKEN} characters each)")
+    return None
 
 
 def _tokenize_row(row: dict, chat: ChatFormat, max_length: int, overlong: str, last_turn_only: bool) -> dict:

@@ -28,16 +28,24 @@ class Backend(Protocol):
 
 
 class LocalBackend:
-    """Replies from the target itself, batched through `LocalGenerator`."""
+    """Replies from the target itself, batched through `LocalGenerator`. A prompt of `max_prompt_tokens` or more
+    is rejected before generation: it leaves no room for an answer in the samples, and one huge prompt in a
+    batch would take the memory of the whole job."""
 
-    def __init__(self, generator: LocalGenerator, chat: ChatFormat, generation: GenerationConfig, seed: int):
+    def __init__(self, generator: LocalGenerator, chat: ChatFormat, generation: GenerationConfig, seed: int,
+                 max_prompt_tokens: int | None = None):
         self.generator, self.chat, self.generation, self.seed = generator, chat, generation, seed
+        self.max_prompt_tokens = max_prompt_tokens
 
     def reply(self, conversations: list[list[dict]], desc: str = "regenerate") -> list[str | RowError]:
         prompts, results = [], []
         for messages in conversations:
             try:
-                prompts.append(self.chat.prompt_ids(messages))
+                ids = self.chat.prompt_ids(messages)
+                if self.max_prompt_tokens is not None and len(ids) >= self.max_prompt_tokens:
+                    raise RowError("overlong_prompt", f"the prompt has {len(ids)} tokens, no room for an answer "
+                                                      f"within data.max_length={self.max_prompt_tokens}")
+                prompts.append(ids)
                 results.append(None)
             except RowError as err:
                 results.append(err)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdistill.io import write_jsonl
+from specdistill.redact import redact_text
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ class RejectLog:
 
     def add(self, source: str, position: int | str, error: RowError, **extra) -> None:
         self.rows.append({"source": source, "position": position, "reason": error.reason,
-                          "detail": error.detail[:500], **extra})
+                          "detail": redact_text(error.detail)[:500], **extra})
 
     def extend(self, other: RejectLog) -> None:
         self.rows.extend(other.rows)

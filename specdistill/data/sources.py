@@ -7,12 +7,14 @@ Row formats (detected per row unless `data.format` names one):
   ultrachat  {"data": ["user text", "assistant text", ...]}  (alternating, original UltraChat)
   turns      {"turns": ["user text", ...]}  (Spec-Bench / MT-Bench: user turns only, answers regenerated)
 
-Local jsonl is parsed line by line by us, not by `datasets`' json builder, so one broken line becomes a
-reject naming its line instead of an exception that stops the job.
+Local jsonl is parsed line by line by us, not by `datasets`' json builder, so one broken line (bad JSON, bytes
+that are not UTF-8) becomes a reject naming its line instead of an exception that stops the job or text that
+is silently changed; a UTF-8 byte-order mark before the first line is skipped.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 from collections.abc import Iterator
@@ -98,24 +100,37 @@ def to_messages(row: dict, fmt: str = "auto") -> list[dict]:
 # ---------------------------------------------------------------- reading
 
 
+def _decoded(raw: bytes) -> str:
+    """`raw` as strict UTF-8; bytes that are not UTF-8 reject the row (replacing them would train on text
+    that was never written)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise RowError("invalid_utf8", f"byte {err.start} ({raw[err.start:err.start + 1]!r}) is not valid UTF-8") \
+            from err
+
+
 def _jsonl_rows(path: Path) -> Iterator[SourceRow]:
-    with open(path, encoding="utf-8", errors="replace") as f:
-        first = f.read(1)
-        f.seek(0)
-        if path.suffix == ".json" and first == "[":  # one JSON array
+    with open(path, "rb") as f:
+        first = f.read(len(codecs.BOM_UTF8))
+        f.seek(len(codecs.BOM_UTF8) if first == codecs.BOM_UTF8 else 0)
+        if path.suffix == ".json" and f.peek(1)[:1] == b"[":  # one JSON array
             try:
-                rows = json.load(f)
-            except json.JSONDecodeError as err:
-                yield SourceRow(str(path), "file", None, RowError("invalid_json", str(err)))
+                rows = json.loads(_decoded(f.read()))
+            except (json.JSONDecodeError, RowError) as err:
+                error = err if isinstance(err, RowError) else RowError("invalid_json", str(err))
+                yield SourceRow(str(path), "file", None, error)
                 return
             for i, row in enumerate(rows):
                 yield SourceRow(str(path), f"item {i}", row)
             return
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
+        for line_no, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
             try:
-                yield SourceRow(str(path), f"line {line_no}", json.loads(line))
+                yield SourceRow(str(path), f"line {line_no}", json.loads(_decoded(raw)))
+            except RowError as err:
+                yield SourceRow(str(path), f"line {line_no}", None, err)
             except json.JSONDecodeError as err:
                 yield SourceRow(str(path), f"line {line_no}", None, RowError("invalid_json", str(err)))
 
@@ -141,6 +156,9 @@ def open_source(path: str, split: str = "train", streaming: bool = False) -> Ite
     if local.exists() and not local.is_dir():
         raise ValueError(f"{local}: unsupported file type {local.suffix!r}; expected .json, .jsonl, "
                          f"{', '.join(ARROW_BUILDERS)} or a `save_to_disk` dir")
+    if not local.exists() and (local.suffix in (".json", ".jsonl", *ARROW_BUILDERS) or local.is_absolute()
+                               or path.startswith(".")):
+        raise FileNotFoundError(f"config field `data.path` (or `data.mix`): {path} does not exist")
     return _dataset_rows(path, datasets.load_dataset(path, split=split, streaming=streaming))
 
 

@@ -15,8 +15,15 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from specdistill.config import EvalConfig, RunConfig, TargetConfig, WandbConfig, validate
 from specdistill.distributed import launch_device
+from specdistill.evaluate.engine import (
+    engine_evaluation,
+    engine_summary_line,
+    evaluate_in_engine,
+    served_exports,
+)
 from specdistill.evaluate.run import evaluate, load_any_head
-from specdistill.target import check_capture_layers, load_target, resolve_source
+from specdistill.heads import HEAD_CONFIG
+from specdistill.target import check_capture_layers, load_target, resolve_source, served_dir
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +35,7 @@ class AcceptanceConfig:
     limit: int = 16
     max_new_tokens: int = 128
     out: str = "acceptance"
+    engine: str | None = None  # vllm: serve the head in the engine too (eval.engine.name); eval/engine.py sets it
     seed: int = 0
     target: TargetConfig = field(default_factory=TargetConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -48,6 +56,7 @@ def to_run_config(dict_cfg: DictConfig) -> tuple[AcceptanceConfig, RunConfig]:
     """The typed script config and the RunConfig the package reads, validated."""
     cfg: AcceptanceConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(AcceptanceConfig), dict_cfg))
     cfg.eval.bench, cfg.eval.limit, cfg.eval.max_new_tokens = cfg.bench, cfg.limit, cfg.max_new_tokens
+    cfg.eval.engine.name = cfg.engine or cfg.eval.engine.name
     run = RunConfig(name="acceptance", seed=cfg.seed, out=cfg.out, target=cfg.target, eval=cfg.eval, wandb=cfg.wandb)
     validate(run)
     if not Path(cfg.head_dir).is_dir():
@@ -66,4 +75,22 @@ def main(dict_cfg: DictConfig) -> dict:
     print(f"tau {report['tau']:.2f} (baselines: {baselines}), speedup {report['speedup']:.2f}x, "
           f"lossless mismatches {lossless}")
     print(f"report: {Path(cfg.out) / 'report.json'}\nsummary: {Path(cfg.out) / 'summary.md'}")
+    return report
+
+
+def main_engine(dict_cfg: DictConfig) -> dict:
+    """`eval/engine.py`: only the engine evaluation. A checkpoint is exported in each layout the engine loads;
+    an export is served as it is (a speculators export with its verifier pointed at the local target)."""
+    cfg, run = to_run_config(dict_cfg)
+    check_capture_layers(run.target, resolve_source(run.target))
+    target = load_target(run.target, launch_device())
+    head, out = load_any_head(cfg.head_dir, target), Path(cfg.out)
+    if (Path(cfg.head_dir) / HEAD_CONFIG).exists():
+        report = evaluate_in_engine(run, target, head, out)
+    else:
+        target_dir = served_dir(run.target)
+        report = engine_evaluation(run.eval.engine, run.eval, target, head,
+                                   served_exports(Path(cfg.head_dir), target_dir, out), target_dir, out)
+    print(engine_summary_line(report))
+    print(f"report: {out / 'engine.json'}")
     return report

@@ -16,6 +16,10 @@ PACKAGED = {"spec_bench": Path(__file__).parent / "benchmarks" / "spec_bench.jso
 HF_PREFIX = "hf:"
 
 
+class BenchError(ValueError):
+    """A benchmark file or row cannot be used; the message names the file and row."""
+
+
 def user_turns(value, where: str) -> list[str]:
     """The user turns of one row (a dict with `turns` / `prompt` / `messages`) or one column value
     (a string, a list of strings, or a list of chat messages)."""
@@ -23,7 +27,7 @@ def user_turns(value, where: str) -> list[str]:
         for key in ("turns", "prompt", "messages"):
             if value.get(key):
                 return user_turns(value[key], f"{where}: field `{key}`")
-        raise ValueError(f"{where}: expected a non-empty `turns`, `prompt` or `messages` field, got keys {sorted(value)}")
+        raise BenchError(f"{where}: expected a non-empty `turns`, `prompt` or `messages` field, got keys {sorted(value)}")
     if isinstance(value, str) and value.strip():
         return [value]
     if isinstance(value, list) and value and all(isinstance(t, str) for t in value):
@@ -32,7 +36,7 @@ def user_turns(value, where: str) -> list[str]:
         turns = [m.get("content") for m in value if m.get("role") == "user"]
         if turns and all(isinstance(t, str) for t in turns):
             return turns
-    raise ValueError(f"{where}: expected a prompt string, a list of turns or chat messages with user turns, "
+    raise BenchError(f"{where}: expected a prompt string, a list of turns or chat messages with user turns, "
                      f"got {type(value).__name__} {str(value)[:80]!r}")
 
 
@@ -40,7 +44,7 @@ def _hf_rows(spec: str) -> list[list[str]]:
     """`hf:<name or dir>:<split>:<column>`, loaded from the local disk or HF cache only."""
     parts = spec[len(HF_PREFIX):].rsplit(":", 2)
     if len(parts) != 3 or not all(parts):
-        raise ValueError(f"benchmark {spec!r}: expected hf:<name or dir>:<split>:<column>")
+        raise BenchError(f"benchmark {spec!r}: expected hf:<name or dir>:<split>:<column>")
     name, split, column = parts
     import datasets
 
@@ -53,7 +57,7 @@ def _hf_rows(spec: str) -> list[list[str]]:
     except Exception as err:
         raise FileNotFoundError(f"benchmark {spec!r}: cannot load split {split!r} of {name!r} locally ({err})") from err
     if column not in data.column_names:
-        raise ValueError(f"benchmark {spec!r}: no column {column!r}; columns are {data.column_names}")
+        raise BenchError(f"benchmark {spec!r}: no column {column!r}; columns are {data.column_names}")
     return [user_turns(v, f"{spec} row {i}") for i, v in enumerate(data[column])]
 
 
@@ -68,7 +72,9 @@ def _load(bench: str) -> tuple[list[list[str]], list[str | None]]:
             f"benchmark {bench!r}: no such file; expected one of {list(PACKAGED)}, a jsonl path or "
             "hf:<name or dir>:<split>:<column>"
         )
-    rows = list(read_jsonl(path))
+    rows = read_jsonl(path)
+    if not rows:
+        raise BenchError(f"benchmark {path}: the file holds no rows")
     items = [user_turns(row, f"{path}:{i + 1}") for i, row in enumerate(rows)]
     return items, [row.get("category") if isinstance(row.get("category"), str) else None for row in rows]
 

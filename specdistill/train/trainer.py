@@ -2,8 +2,11 @@
 
 accelerate / DeepSpeed wiring lives only here; heads, losses and the TTT unroll are single-device code.
 A checkpoint (`ckpt/step-N/`) holds the head, optimizer, scheduler (accelerate's state), the data
-position and history (`trainer_state.json`) and every rank's RNG (`rng-rank-R.safetensors`), so a run
-killed with SIGKILL and started again with the same command ends with the same weights. The last
+position and history (`trainer_state.json`), every rank's RNG (`rng-rank-R.safetensors`) and sample ids, so a run
+killed with SIGKILL and started again with the same command ends with the same weights. `checksums.json` is
+written last: a resume passes over a corrupted checkpoint to the one before it. `trainer_state.json` also records
+the run's fingerprint (hashes of the features, draft vocabulary and target, and the train and head fields that
+change the weights): a checkpoint made for other inputs is refused, never resumed (`restart=true` discards it). The last
 `train.keep_last` checkpoints are kept, and the best head so far (by in-loop tau, else held-out
 simulated tau) in `ckpt/best/`. With `train.served_vocab_size`, the heads in `ckpt/best/` and
 `ckpt/final/` (and the one the in-loop tau scores) are widened to that many draft tokens
@@ -34,10 +37,19 @@ from specdistill.config import ConfigError, RunConfig
 from specdistill.data.vocab import DraftVocab, build_draft_vocab
 from specdistill.distributed import rank_and_world
 from specdistill.evaluate import metrics
+from specdistill.fingerprint import TRAINED_ON, check_same, train_fingerprint
 from specdistill.heads import build_head, head_from_state, save_head
 from specdistill.heads.copy_init import init_copy_attention, keep_copy_queries_on_slow_pairs
 from specdistill.heads.widen import widened
-from specdistill.io import atomic_dir, atomic_path, save_tensors, write_json
+from specdistill.io import (
+    CorruptFile,
+    atomic_dir,
+    atomic_path,
+    save_tensors,
+    verify_checksums,
+    write_checksums,
+    write_json,
+)
 from specdistill.pipeline import redacted
 from specdistill.target import Target, TargetRunner, bf16_is_native, computing_in
 from specdistill.train.data import PLANS, OnlineSource, StoreSource, collate
@@ -119,6 +131,15 @@ def load_rng(path: Path) -> None:
         torch.cuda.set_rng_state(t["cuda"])
 
 
+def trainer_state(ckpt: Path) -> dict:
+    """A checkpoint's trainer_state.json; a missing or garbled one is a CorruptFile naming it."""
+    path = ckpt / "trainer_state.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise CorruptFile(f"{path}: unreadable ({err})") from err
+
+
 def all_ranks_true(flag: bool) -> bool:
     """True only if `flag` holds on every rank (ranks must skip a step together or hang in the reduce)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
@@ -175,6 +196,10 @@ class Trainer:
             store = FeatureStore(self.run_dir / "features")
             store.check_compatible(target.name, list(target.layer_ids), target.hidden_size, cfg.capture.teacher)
             self.source = StoreSource(store)
+        self.fingerprint = train_fingerprint(cfg, target)
+        if cfg.restart:
+            self.discard_checkpoints()
+        self.resume_from = self.intact_checkpoint()
         self.plan = PLANS[cfg.train.batching]
         self.packed = cfg.train.batching == "pack"
         torch.manual_seed(cfg.seed)
@@ -187,7 +212,7 @@ class Trainer:
                                self.head.d2t.to(self.device), self.head.t2d.to(self.device), cfg.train.vocab_chunk)
         self.train_ids, self.holdout_ids = self.split(len(self.source.lengths))
         self.train_lengths = {i: self.source.lengths[i] for i in self.train_ids}
-        if cfg.head.copy_init and not self.checkpoints():  # a resumed run loads its weights instead
+        if cfg.head.copy_init and self.resume_from is None:  # a resumed run loads its weights instead
             one_at_a_time = (s for i in self.train_ids[:COPY_INIT_SAMPLES] for s in self.source.samples([i]))
             fit_r2 = init_copy_attention(self.head, one_at_a_time)
             log.info("copy heads initialised (token identity read from the features with R^2 %.2f)", fit_r2)
@@ -245,9 +270,12 @@ class Trainer:
         self.accelerator.wait_for_everyone()
         self.accelerator.save_state(str(tmp))
         save_rng(tmp / f"rng-rank-{self.rank}.safetensors")
+        write_json(tmp / f"samples-rank-{self.rank}.json", {"micro_batches": self.consumed})
         self.accelerator.wait_for_everyone()
         if self.rank == 0:
-            write_json(tmp / "trainer_state.json", {**self.state.__dict__, "history": self.history})
+            write_json(tmp / "trainer_state.json", {**self.state.__dict__, "history": self.history,
+                                                    "fingerprint": self.fingerprint})
+            write_checksums(tmp)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             for old in self.checkpoints()[: -self.cfg.train.keep_last]:
@@ -255,17 +283,55 @@ class Trainer:
             log.info("checkpoint %s (keeping the last %d)", final, self.cfg.train.keep_last)
         self.accelerator.wait_for_everyone()
 
+    def discard_checkpoints(self) -> None:
+        """restart=true: the run's checkpoints and training records go, whatever they were trained on."""
+        if self.rank == 0 and self.ckpt_dir.exists():
+            log.warning("restart=true: removing %s and %s", self.ckpt_dir, self.run_dir / "train")
+            shutil.rmtree(self.ckpt_dir)
+            shutil.rmtree(self.run_dir / "train", ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+
+    def intact_checkpoint(self) -> Path | None:
+        """The newest step checkpoint whose files match their checksums (a corrupted newer one is passed over
+        with a warning naming its bad file) and that was trained on this run's inputs and settings (else
+        StaleRun says what changed); when every one is corrupted the error names them all."""
+        corrupt = []
+        for ckpt in reversed(self.checkpoints()):
+            try:
+                verify_checksums(ckpt)
+                recorded = trainer_state(ckpt).get("fingerprint")
+            except CorruptFile as err:
+                log.warning("%s; resuming from the checkpoint before it", err)
+                corrupt.append(str(err))
+                continue
+            if recorded is None:
+                log.warning("%s records no fingerprint (written by an older version): resuming unchecked", ckpt)
+            else:
+                check_same(ckpt, recorded, self.fingerprint, self.cfg.name)
+            return ckpt
+        if corrupt:
+            raise CorruptFile(f"every checkpoint in {self.ckpt_dir} is corrupted: {'; '.join(corrupt)}; pass "
+                              "restart=true to train from the start")
+        return None
+
     def maybe_resume(self) -> None:
-        ckpts = self.checkpoints()
-        if not ckpts:
+        latest = self.resume_from
+        if latest is None:
             return
-        latest = ckpts[-1]
-        saved = json.loads((latest / "trainer_state.json").read_text())
+        saved = trainer_state(latest)
+        saved.pop("fingerprint", None)
+        consumed = latest / f"samples-rank-{self.rank}.json"
+        if consumed.exists():  # the sample ids trained on before the resume (older checkpoints lack them)
+            self.consumed = json.loads(consumed.read_text())["micro_batches"]
         if saved.get("world", 1) != self.world:
             raise RuntimeError(f"{latest} was written by {saved.get('world', 1)} ranks, this run has {self.world}; "
                                "resume with the same number of processes (the data order depends on it)")
-        self.accelerator.load_state(str(latest))
-        load_rng(latest / f"rng-rank-{self.rank}.safetensors")
+        try:
+            self.accelerator.load_state(str(latest))
+            load_rng(latest / f"rng-rank-{self.rank}.safetensors")
+        except Exception as err:  # a checkpoint without checksums (older version): accelerate's or safetensors' error
+            raise CorruptFile(f"{latest}: cannot be loaded ({type(err).__name__}: {err}); remove it to resume from the "
+                              "one before, or pass restart=true") from err
         self.history = saved.pop("history")
         self.state = TrainState(**saved)
         log.info("resumed from %s (step %d, epoch %d, micro-batch %d)", latest, self.state.step, self.state.epoch,
@@ -303,6 +369,7 @@ class Trainer:
         self.state.best_metric, self.state.best_step = metric, self.state.step
         if self.rank == 0:
             with atomic_dir(self.ckpt_dir / "best") as tmp:
+                write_json(tmp / TRAINED_ON, self.fingerprint)
                 save_head(head, tmp)
                 write_json(tmp / "best.json", {"step": self.state.step, name: metric})
             log.info("new best head (%s %.4f at step %d) in %s", name, metric, self.state.step, self.ckpt_dir / "best")
@@ -447,7 +514,9 @@ class Trainer:
         write_json(self.run_dir / "train" / f"samples-rank-{self.rank}.json",
                    {"rank": self.rank, "world": self.world, "micro_batches": self.consumed})
         if self.rank == 0:
-            save_head(head, final)
+            with atomic_dir(final) as tmp:
+                write_json(tmp / TRAINED_ON, self.fingerprint)
+                save_head(head, tmp)
             write_json(self.run_dir / "train" / "history.json", self.history)
             plot_history(self.history, self.run_dir / "train" / "curves.png")
         if wandb_run is not None:

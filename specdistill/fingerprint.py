@@ -1,0 +1,97 @@
+"""What a stage consumed, recorded beside what it wrote, so that work kept for other inputs is never resumed.
+
+A fingerprint is a flat dict: the hashes of the stage's inputs (`input:<name>`) and the config fields that change
+its output (`train.lr`, ...). A stage compares the one it recorded with the one it would record now and, on any
+difference, refuses with the fields that changed and the two ways out: a new run name, or `restart=true`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+from specdistill.cache import content_key
+from specdistill.capture.store import HEADER_KEYS, MANIFEST, FeatureStore
+from specdistill.config import RunConfig
+from specdistill.io import sha256_file, weights_fingerprint
+from specdistill.target import Target
+
+log = logging.getLogger(__name__)
+# train fields a resumed run may change: they decide when to save or evaluate, not the weights trained
+RESUME_SAFE = ("ckpt_every", "keep_last", "eval_every", "max_bad_steps", "served_vocab_size")
+TRAINED_ON = "trained_on.json"  # in ckpt/best/ and ckpt/final/: the fingerprint of the run that trained the head
+
+
+class StaleRun(ValueError):
+    """A run directory holds work done for other inputs or settings than this run's."""
+
+
+def config_fields(node, prefix: str, skip: tuple[str, ...] = ()) -> dict:
+    """A config dataclass as `{"<prefix>.<field>": value}`, nested dataclasses flattened, `skip` fields left out."""
+    out = {}
+    for f in dataclasses.fields(node):
+        name, value = f"{prefix}.{f.name}", getattr(node, f.name)
+        if f.name in skip:
+            continue
+        if dataclasses.is_dataclass(value):
+            out.update(config_fields(value, name))
+        else:
+            out[name] = list(value) if isinstance(value, (list, tuple)) else value
+    return out
+
+
+def changes(recorded: dict, current: dict) -> list[str]:
+    """Each key whose value differs, as `key: old -> new` (hashes shortened, `(none)` where a side lacks it)."""
+    def shown(side: dict, key: str) -> str:
+        if key not in side:
+            return "(none)"
+        value = side[key]
+        return f"{value[:12]}..." if isinstance(value, str) and len(value) >= 32 else repr(value)
+
+    return [f"{key}: {shown(recorded, key)} -> {shown(current, key)}" for key in sorted(recorded.keys() | current.keys())
+            if key not in recorded or key not in current or recorded[key] != current[key]]
+
+
+def check_same(what: Path, recorded: dict, current: dict, name: str) -> None:
+    """Raise StaleRun when `what` (kept work of run `name`) was made from another fingerprint than `current`."""
+    changed = changes(recorded, current)
+    if changed:
+        raise StaleRun(f"{what} was made from other inputs or settings than this run's ({'; '.join(changed)}); "
+                       f"start a new run with name=<another name than {name}>, or pass restart=true to discard this run's "
+                       "training checkpoints and train anew")
+
+
+def train_fingerprint(cfg: RunConfig, target: Target | None) -> dict:
+    """What the trained weights depend on: hashes of the features (or, online, of the prepared data and capture
+    settings), the draft vocabulary and the target's weights, and the fields of `train` and `head` that change the
+    weights. An input that is not there (`target` None, a feature store deleted after training) is left out."""
+    data_dir, features_dir = cfg.run_dir / "data", cfg.run_dir / "features"
+    out = {**config_fields(cfg.train, "train", skip=RESUME_SAFE), **config_fields(cfg.head, "head"), "seed": cfg.seed}
+    if cfg.capture.mode == "online":
+        out["input:features"] = content_key(json.loads((data_dir / "summary.json").read_text())["fingerprint"],
+                                            config_fields(cfg.capture, "capture"))
+    elif (features_dir / MANIFEST).exists():
+        store = FeatureStore(features_dir)
+        out["input:features"] = content_key({k: store.manifest[k] for k in HEADER_KEYS},
+                                            [s["sha256"] for s in store.shards])
+    if (data_dir / "vocab.safetensors").exists():
+        out["input:draft_vocab"] = sha256_file(data_dir / "vocab.safetensors")
+    if target is not None:
+        out["input:target"] = weights_fingerprint(target.model)
+    return out
+
+
+def check_head_is_current(head_dir: Path, cfg: RunConfig, target: Target | None = None) -> None:
+    """Raise StaleRun when the head in `head_dir` (best/ or final/) was trained on other inputs or settings than
+    this run's: what evaluate and export must check before they use it, since `stages=[evaluate]` alone would
+    otherwise score a head left from before the data changed. Inputs no longer there are not compared."""
+    recorded = json.loads((head_dir / TRAINED_ON).read_text()) if (head_dir / TRAINED_ON).exists() else None
+    if recorded is None:
+        log.warning("%s records no %s (written by an older version): not checked against this run", head_dir,
+                    TRAINED_ON)
+        return
+    current = train_fingerprint(cfg, target)
+    kept = {k: v for k, v in recorded.items() if k in current or not k.startswith("input:")}  # inputs still here
+    check_same(head_dir, kept, current, cfg.name)
