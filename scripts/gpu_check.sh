@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one run (about 6 minutes on an H200): the CUDA tests (Triton tree
 # kernels, the fused TTT attention, a whole TTT unroll against the CPU's), the kernel and TTT-step
-# benchmarks, and the smoke pipeline end to end on the GPU. Logs go to $OUT (default gpu_check/).
+# benchmarks, the smoke pipeline end to end on the GPU, and its head served by vLLM where it is
+# installed. Logs go to $OUT (default gpu_check/).
 #   bash scripts/gpu_check.sh
 set -uo pipefail
 OUT=${OUT:-gpu_check}
@@ -32,4 +33,11 @@ step bench_ttt_smollm2 150 $PY benchmarks/ttt.py --device cuda --scale smollm2 -
 step bench_ttt_llama8b 200 $PY benchmarks/ttt.py --device cuda --scale llama8b --seq 4096 --repeats 3
 step smoke_pipeline 200 $PY train.py +exp=smoke run_root="$OUT/runs"
 grep -h "tau\|speedup\|lossless" "$OUT/runs/smoke/eval/summary.md" 2>/dev/null | head -8
+# The smoke head served by the CUDA vLLM build (where this machine has one): its counters beside our chain's.
+if $PY -c "import vllm" 2>/dev/null; then
+    step engine_vllm 300 $PY eval/engine.py head="$OUT/runs/smoke/ckpt/best" target=random limit=2 max_new_tokens=16 \
+        eval.engine.python="$(command -v $PY)" out="$OUT/engine"
+else
+    echo "=== engine_vllm: skipped, vllm is not importable here"
+fi
 exit $status

@@ -13,6 +13,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 STAGES = ("prepare", "capture", "train", "evaluate", "export")
+ENGINE_LAYOUTS = {"vllm": ("vllm", "speculators")}  # the export layouts each engine that `eval.engine` runs loads
 EMBEDDED_TARGET = "embedded:smollm2-135m-instruct"
 RANDOM_TARGET = "random"
 # The embedded default's question openers and document tasks (conf/data/synth.yaml says why).
@@ -47,10 +48,11 @@ class RandomTargetConfig:
     hidden_size: int = 64
     intermediate_size: int = 128
     num_hidden_layers: int = 8
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
+    num_attention_heads: int = 2  # head_dim 32: the smallest vLLM's CPU attention serves (eval.engine)
+    num_key_value_heads: int = 1
     max_position_embeddings: int = 2048
     seed: int = 0
+    family: str = "llama"  # llama | mistral | qwen2 | qwen3 | qwen3_moe | gemma3 | phi3 | gpt_oss
 
 
 @dataclass
@@ -211,6 +213,18 @@ class AdviceConfig:
 
 
 @dataclass
+class EngineConfig:
+    """The exported head served by a real engine, its own counters beside our chain's (eval/engine.json)."""
+
+    name: str | None = None  # vllm: also run the evaluation in the engine; null: ours only
+    layouts: list[str] = field(default_factory=lambda: ["vllm", "speculators"])  # export layouts the engine loads
+    num_speculative_tokens: int = 3  # the engine's chain length; ours drafts a chain of the same length
+    dtype: str = "float32"  # both sides compute in it: float32 agrees exactly, bfloat16 within rounding
+    python: str | None = None  # the engine's interpreter; null: .engine/bin/python (make engine), else this one
+    max_num_seqs: int = 1  # the engine's batch: 1 decodes prompt after prompt, as the evaluation does
+
+
+@dataclass
 class EvalConfig:
     bench: str = "spec_bench"  # a packaged benchmark name, a jsonl path or hf:<name or dir>:<split>:<column>
     limit: int = 16
@@ -230,12 +244,14 @@ class EvalConfig:
     loop_max_new_tokens: int = 32
     kernels: str = "auto"  # auto | torch | triton
     advice: AdviceConfig = field(default_factory=AdviceConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
 
 @dataclass
 class ExportConfig:
     formats: list[str] = field(default_factory=lambda: ["sglang", "vllm"])
     dtype: str = "bfloat16"
+    speculative_tokens: int | None = None  # speculators layout: vLLM's default chain; null: the serving advice's, else 3
 
 
 @dataclass
@@ -251,6 +267,7 @@ class RunConfig:
     run_root: str = "runs"
     stages: list[str] = field(default_factory=lambda: list(STAGES))
     seed: int = 0
+    restart: bool = False  # discard the run dir's training checkpoints and train anew (else a stale one is refused)
     out: str | None = None  # output dir for a single-stage script (defaults to the run dir)
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -287,6 +304,22 @@ def _choice(value, allowed, field_name: str) -> None:
     _check(value in allowed, field_name, f"got {value!r}, expected one of {list(allowed)}")
 
 
+def _at_least(value, minimum, field_name: str, optional: bool = False) -> None:
+    """`value >= minimum` (or None when `optional`); the message gives the value found."""
+    if optional and value is None:
+        return
+    _check(value is not None and value >= minimum, field_name,
+           f"got {value!r}, expected {'null or ' if optional else ''}a number >= {minimum}")
+
+
+def _within(value, low, high, field_name: str, low_open: bool = False, high_open: bool = False) -> None:
+    """`value` in the interval from `low` to `high` (open ends as flagged); the message gives both."""
+    above = value > low if low_open else value >= low
+    below = value < high if high_open else value <= high
+    interval = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    _check(above and below, field_name, f"got {value!r}, expected a number in {interval}")
+
+
 def validate(cfg: RunConfig) -> None:
     """Checks that need no model: names, ranges, choices. Layer ids are checked in `target.py`."""
     _check(bool(cfg.name) and "/" not in cfg.name, "name", f"got {cfg.name!r}, expected a plain run name")
@@ -294,6 +327,9 @@ def validate(cfg: RunConfig) -> None:
     for stage in cfg.stages:
         _choice(stage, STAGES, "stages")
     _choice(cfg.target.dtype, ("float32", "bfloat16", "float16"), "target.dtype")
+    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "max_position_embeddings"):
+        _at_least(getattr(cfg.target.random, name), 1, f"target.random.{name}")
     _choice(cfg.data.generation.dtype, ("auto", "float32", "bfloat16", "float16"), "data.generation.dtype")
     _choice(cfg.capture.target_dtype, ("auto", "float32", "bfloat16", "float16"), "capture.target_dtype")
     _choice(cfg.data.source, ("synth", "jsonl", "hf"), "data.source")
@@ -304,8 +340,24 @@ def validate(cfg: RunConfig) -> None:
         _check(cfg.data.path is not None, "data.path", f"is required when data.source={cfg.data.source}")
     if cfg.data.generation.backend == "openai" and cfg.data.regenerate:
         _check(cfg.data.generation.server_url is not None, "data.generation.server_url", "is required for backend=openai")
-    _check(cfg.data.draft_vocab_size > 0, "data.draft_vocab_size", "must be positive")
+    _at_least(cfg.data.draft_vocab_size, 1, "data.draft_vocab_size")
+    _at_least(cfg.data.limit, 1, "data.limit", optional=True)
+    _at_least(cfg.data.num_proc, 1, "data.num_proc")
+    gen = cfg.data.generation
+    _at_least(gen.temperature, 0, "data.generation.temperature")
+    _within(gen.top_p, 0, 1, "data.generation.top_p", low_open=True)
+    for name in ("max_new_tokens", "batch_size", "concurrency", "chunk_rows"):
+        _at_least(getattr(gen, name), 1, f"data.generation.{name}")
+    _within(gen.timeout_s, 0, float("inf"), "data.generation.timeout_s", low_open=True)
+    _at_least(gen.max_retries, 0, "data.generation.max_retries")
+    _at_least(gen.retry_backoff_s, 0, "data.generation.retry_backoff_s")
     synth = cfg.data.synth
+    for name in ("num_conversations", "question_max_tokens", "answer_max_tokens", "batch_size"):
+        _at_least(getattr(synth, name), 1, f"data.synth.{name}")
+    for name in ("min_question_chars", "document_min_chars"):
+        _at_least(getattr(synth, name), 0, f"data.synth.{name}")
+    _at_least(synth.question_temperature, 0, "data.synth.question_temperature")
+    _within(synth.question_top_p, 0, 1, "data.synth.question_top_p", low_open=True)
     _check(len(synth.openers) > 0, "data.synth.openers", "is empty; use [\"\"] for free Magpie questions")
     _check(0.0 <= synth.document_share < 1.0, "data.synth.document_share", "must be in [0, 1)")
     _check(len(synth.document_parts) > 0 and min(synth.document_parts) >= 1, "data.synth.document_parts",
@@ -338,7 +390,15 @@ def validate(cfg: RunConfig) -> None:
     _check(0.0 < cfg.train.step_weight <= 1.0, "train.step_weight", "must be in (0, 1]")
     _choice(cfg.train.loss, ("forward_kl", "hard_ce", "reverse_kl", "tv"), "train.loss")
     _check(cfg.train.lr > 0, "train.lr", "must be positive")
-    _check(len(cfg.train.betas) == 2, "train.betas", "expected two numbers")
+    _check(len(cfg.train.betas) == 2 and all(0 <= b < 1 for b in cfg.train.betas), "train.betas",
+           f"got {list(cfg.train.betas)}, expected two numbers in [0, 1)")
+    _at_least(cfg.train.weight_decay, 0, "train.weight_decay")
+    _within(cfg.train.warmup_ratio, 0, 1, "train.warmup_ratio")
+    _within(cfg.train.epochs, 0, float("inf"), "train.epochs", low_open=True)
+    _at_least(cfg.train.max_steps, 1, "train.max_steps", optional=True)
+    _within(cfg.train.grad_clip, 0, float("inf"), "train.grad_clip", low_open=True)
+    _within(cfg.train.holdout_share, 0, 1, "train.holdout_share", high_open=True)
+    _at_least(cfg.train.vocab_chunk, 1, "train.vocab_chunk")
     _check(cfg.train.batch_tokens >= 16, "train.batch_tokens", "must be at least 16")
     _check(cfg.train.grad_accum >= 1, "train.grad_accum", "must be at least 1")
     _choice(cfg.train.batching, ("bucket", "pack"), "train.batching")
@@ -382,7 +442,22 @@ def validate(cfg: RunConfig) -> None:
            "context_len and bytes_per_param must be positive")
     _check(len(adv.batch_sizes) > 0 and min(adv.batch_sizes) >= 1, "eval.advice.batch_sizes",
            f"expected positive batch sizes, got {adv.batch_sizes}")
+    _at_least(adv.launch_us, 0, "eval.advice.launch_us")
+    _at_least(adv.min_rounds, 1, "eval.advice.min_rounds")
+    engine = cfg.eval.engine
+    if engine.name is not None:
+        _choice(engine.name, tuple(ENGINE_LAYOUTS), "eval.engine.name")
+        _check(len(engine.layouts) > 0, "eval.engine.layouts", "is empty; name at least one export layout")
+        for layout in engine.layouts:
+            _choice(layout, ENGINE_LAYOUTS[engine.name], "eval.engine.layouts")
+        _check(cfg.head.kind == "eagle3", "eval.engine.name", "serves EAGLE-3 heads; no engine serves this MTP head")
+    _at_least(engine.num_speculative_tokens, 1, "eval.engine.num_speculative_tokens")
+    _choice(engine.dtype, ("float32", "bfloat16"), "eval.engine.dtype")
+    _at_least(engine.max_num_seqs, 1, "eval.engine.max_num_seqs")
+    _check(len(cfg.export.formats) > 0 or "export" not in cfg.stages, "export.formats",
+           "is empty while stages include export; name at least one format or drop export from stages")
     for fmt in cfg.export.formats:
         _choice(fmt, ("sglang", "vllm", "speculators", "trtllm", "deepseek_mtp", "qwen3_next_mtp"), "export.formats")
     _choice(cfg.export.dtype, ("bfloat16", "float16", "float32"), "export.dtype")
+    _at_least(cfg.export.speculative_tokens, 1, "export.speculative_tokens", optional=True)
     _choice(cfg.wandb.mode, ("online", "offline", "disabled"), "wandb.mode")

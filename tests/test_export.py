@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -23,6 +24,7 @@ from specdistill.heads.layers import HeadArch
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB, DRAFT_VOCAB, H = 384, 64, 64
+VERIFIER = "org/target-model"  # the speculators layout records the target it drafts for
 BLOCK = ["input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
          "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
          "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
@@ -85,7 +87,7 @@ D2T_DTYPES = {"sglang": torch.int64, "vllm": torch.int64, "trtllm": torch.int32,
 
 @pytest.mark.parametrize("fmt", list(EAGLE3_LAYOUTS))
 def test_key_set_shapes_and_dtypes(head, fmt, tmp_path):
-    tensors, _ = exported(export_eagle3(head, fmt, tmp_path / fmt))
+    tensors, _ = exported(export_eagle3(head, fmt, tmp_path / fmt, target=VERIFIER))
     assert set(tensors) == EXPECTED_KEYS[fmt] == set(EAGLE3_LAYOUTS[fmt].REQUIRED_KEYS)
     block = "layers.0." if fmt == "speculators" else "midlayer."
     assert tensors["fc.weight"].shape == (H, 3 * H)
@@ -122,12 +124,12 @@ def test_hf_llama_config_fields(head, fmt, tmp_path):
 
 
 def test_speculators_config_fields(head, tmp_path):
-    _, cfg = exported(export_eagle3(head, "speculators", tmp_path / "s", target="org/target-model"))
+    _, cfg = exported(export_eagle3(head, "speculators", tmp_path / "s", target=VERIFIER, speculative_tokens=2))
     assert cfg["speculators_model_type"] == "eagle3" and cfg["architectures"] == ["Eagle3Speculator"]
     spec = cfg["speculators_config"]
     assert spec["algorithm"] == "eagle3" and spec["default_proposal_method"] == "greedy"
-    assert spec["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": 3}]
-    assert spec["verifier"]["name_or_path"] == "org/target-model"
+    assert spec["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": 2}]
+    assert spec["verifier"]["name_or_path"] == VERIFIER
     layer = cfg["transformer_layer_config"]
     assert layer["model_type"] == "llama" and layer["num_hidden_layers"] == 1 and layer["vocab_size"] == VOCAB
     assert layer["tie_word_embeddings"] is False and layer["rope_parameters"]["rope_theta"] == 100000.0
@@ -161,7 +163,7 @@ def test_dtype_on_request(head, dtype, torch_dtype, tmp_path):
 
 @pytest.mark.parametrize("fmt", list(EAGLE3_LAYOUTS))
 def test_round_trip_gives_identical_logits(head, fmt, tmp_path):
-    back = read_head(export_eagle3(head, fmt, tmp_path / fmt, dtype="float32"))
+    back = read_head(export_eagle3(head, fmt, tmp_path / fmt, dtype="float32", target=VERIFIER))
     assert back.config == head.config
     assert torch.equal(back.d2t, head.d2t) and torch.equal(back.t2d, head.t2d)
     assert torch.equal(draft_logits(back), draft_logits(head))
@@ -222,18 +224,36 @@ def draft_logits_2(head: Eagle3Head) -> torch.Tensor:
         return head.logits(hidden)
 
 
+def test_refuses_what_an_engine_would_read_wrongly(head, tmp_path):
+    with pytest.raises(common.ExportError, match="no verifier"):  # vLLM would serve no model
+        export_eagle3(head, "speculators", tmp_path / "s")
+    with pytest.raises(common.ExportError, match="distinct ascending layer outputs"):  # engines concatenate ascending
+        export_eagle3(make_head(aux=(4, 1, 3)), "vllm", tmp_path / "v")
+    narrow = make_head()
+    narrow.config = dataclasses.replace(narrow.config, target_hidden_size=2 * H)
+    narrow.fc = torch.nn.Linear(3 * 2 * H, H, bias=False)
+    for fmt in ("sglang", "speculators"):  # their loaders put the target's embedding into the draft
+        with pytest.raises(common.ExportError, match="the head is 64 wide, the target 128"):
+            export_eagle3(narrow, fmt, tmp_path / fmt, target=VERIFIER)
+    export_eagle3(narrow, "vllm", tmp_path / "v")  # the vllm layout carries the head's own embedding
+    assert not any((tmp_path / fmt).exists() for fmt in ("s", "sglang", "speculators"))
+
+
 def test_refuses_a_target_of_other_dimensions(head, tmp_path):
     with pytest.raises(common.ExportError, match="target config `hidden_size` = 128"):
         export_eagle3(head, "sglang", tmp_path / "s", target_config={"vocab_size": VOCAB, "hidden_size": 128,
                                                                       "num_hidden_layers": 8})
 
 
-def test_export_replaces_a_directory_whole(head, tmp_path):
+def test_export_replaces_its_own_files_and_keeps_the_users(head, tmp_path):
     out = tmp_path / "sglang"
     out.mkdir()
-    (out / "stale.bin").write_text("old")
+    (out / "model.safetensors").write_text("an older export")
+    (out / "serve.sh").write_text("python -m sglang.launch_server ...")
     export_eagle3(head, "sglang", out)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "serve.sh"]
+    assert (out / "serve.sh").read_text().startswith("python -m sglang")
+    assert load_file(out / "model.safetensors")  # the new weights, not the old text
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
@@ -260,8 +280,25 @@ def test_stage_prefers_best_and_writes_every_format(head, tmp_path):
     assert result == {"formats": {f: str(cfg.run_dir / "export" / f) for f in ("sglang", "speculators")}}
     back = read_head(cfg.run_dir / "export" / "speculators")
     assert torch.equal(back.fc.weight, head.fc.weight.to(torch.bfloat16).float())
-    assert exported(cfg.run_dir / "export" / "speculators")[1]["speculators_config"]["verifier"]["name_or_path"] \
-        == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    spec = exported(cfg.run_dir / "export" / "speculators")[1]["speculators_config"]
+    assert spec["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert spec["proposal_methods"][0]["speculative_tokens"] == 3  # no evaluation yet: the default
+
+
+def test_stage_takes_the_speculative_tokens_the_evaluation_advises(head, tmp_path):
+    cfg = RunConfig(name="exp", run_root=str(tmp_path))
+    cfg.export.formats = ["speculators"]
+    save_head(head, cfg.run_dir / "ckpt" / "best")
+    (cfg.run_dir / "eval").mkdir(parents=True)
+    advice = {"serving_advice": {"per_batch": [{"batch_size": 1, "vllm_steps": 2}, {"batch_size": 8, "vllm_steps": 1}]}}
+    (cfg.run_dir / "eval" / "report.json").write_text(json.dumps(advice))
+    run.run(cfg, target=None)
+    spec = exported(cfg.run_dir / "export" / "speculators")[1]["speculators_config"]
+    assert spec["proposal_methods"][0]["speculative_tokens"] == 2
+    cfg.export.speculative_tokens = 4  # set: it wins
+    run.run(cfg, target=None)
+    assert exported(cfg.run_dir / "export" / "speculators")[1]["speculators_config"]["proposal_methods"][0][
+        "speculative_tokens"] == 4
 
 
 def test_stage_refuses_mtp_formats_for_an_eagle3_head_before_writing(head, tmp_path):
@@ -283,6 +320,11 @@ def test_cli(head, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert f"vllm: {tmp_path / 'out' / 'vllm'}" in proc.stdout
     assert torch.equal(draft_logits(read_head(tmp_path / "out" / "trtllm")), draft_logits(head))
+    spec = subprocess.run([sys.executable, str(REPO / "scripts" / "export.py"), f"ckpt={tmp_path / 'ckpt'}",
+                           "formats=[speculators]", f"verifier={VERIFIER}", "speculative_tokens=2", f"out={tmp_path / 'o'}"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert spec.returncode == 0, spec.stderr
+    assert exported(tmp_path / "o" / "speculators")[1]["speculators_config"]["verifier"]["name_or_path"] == VERIFIER
     bad = subprocess.run([sys.executable, str(REPO / "scripts" / "export.py"), f"ckpt={tmp_path / 'none'}",
                           f"out={tmp_path / 'out2'}"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert bad.returncode == 2 and "no head_config.json" in bad.stdout + bad.stderr

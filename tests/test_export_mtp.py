@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 from specdistill.export import common, deepseek_mtp, qwen3_next_mtp
 from specdistill.heads.layers import HeadArch
 
-ARCH = HeadArch(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+ARCH = HeadArch(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 DIMS = common.MTPDims(arch=ARCH, vocab_size=384, target_num_layers=8)
 BLOCK = ["input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
          "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",

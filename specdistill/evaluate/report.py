@@ -55,8 +55,22 @@ def summary_markdown(r: dict) -> str:
                   f"| tau by category | {' | '.join(categories)} |", "|---" * (len(categories) + 1) + "|"]
         lines += [f"| {name} | " + " | ".join(f"{m['tau_by_category'][c]:.2f}" for c in categories) + " |"
                   for name, m in methods(r).items()]
+    lines += engine_markdown(r["engine"]) if r.get("engine") else []
     text = "\n".join(lines) + "\n"
     return text + ("\n" + advice_markdown(r["serving_advice"]) if r.get("serving_advice") else "")
+
+
+def engine_markdown(e: dict) -> list[str]:
+    """The exported head as the engine served it, beside our chain of the same length (eval/engine.json)."""
+    lines = ["", f"## In the engine: {e['engine']} {e['version']} ({e['dtype']}, {e['num_speculative_tokens']} "
+             "speculative tokens)", "", "| layout | engine tau | our chain's tau | engine / ours | accepted per position, "
+             "engine / ours | counters equal | outputs equal the engine's plain greedy | finding |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {layout} | {m['tau']:.3f} | {e['ours_chain_tau']:.3f} | {m['tau_ratio_to_ours']:.3f}x "
+              f"| {m['accepted_per_pos']} / {e['ours_accepted_per_pos']} "
+              f"| {'yes' if m['counters_equal_ours'] else '**no**'} | {m['outputs_equal_plain']} "
+              f"| {('**' + m['finding'] + '**') if m['finding'] else '-'} |" for layout, m in e["layouts"].items()]
+    return lines
 
 
 def _depths(shares: list[float]) -> str:

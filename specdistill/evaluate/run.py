@@ -27,8 +27,9 @@ from specdistill.config import EvalConfig, RunConfig
 from specdistill.evaluate import metrics
 from specdistill.evaluate.advice import advise, head_cost, target_cost
 from specdistill.evaluate.bench import conversation_ids, load_prompts
+from specdistill.evaluate.engine import engine_digest, evaluate_in_engine
 from specdistill.evaluate.report import write_report
-from specdistill.heads import HEAD_CONFIG, load_head, trained_head_dir
+from specdistill.heads import HEAD_CONFIG, check_head_fits_target, load_head, trained_head_dir
 from specdistill.io import weights_fingerprint
 from specdistill.spec import kernels
 from specdistill.spec.decode import (
@@ -48,11 +49,13 @@ PARTIAL = "partial"  # finished batches of an evaluation still running (or kille
 
 
 def load_any_head(path: str | Path, target: Target):
-    """A training checkpoint (head_config.json) or an exported EAGLE-3 directory (config.json); an export
-    without the embedding gets the target's, as the engines do."""
+    """A training checkpoint (head_config.json) or an exported EAGLE-3 directory (config.json), refused unless it
+    fits `target`; an export without the embedding gets the target's, as the engines do."""
     path = Path(path)
     if (path / HEAD_CONFIG).exists():
-        return load_head(path)
+        head = load_head(path)
+        check_head_fits_target(head, target, path)
+        return head
     from specdistill.export import common
     from specdistill.export.reader import read_head
 
@@ -61,6 +64,7 @@ def load_any_head(path: str | Path, target: Target):
     head = read_head(path)
     with safe_open(str(path / common.WEIGHTS_FILE), "pt") as f:
         has_embedding = any(k.endswith("embed_tokens.weight") for k in f.keys())
+    check_head_fits_target(head, target, path)
     if not has_embedding:
         head.embed_tokens.weight.data.copy_(target.model.get_input_embeddings().weight.float())
     return head
@@ -115,8 +119,10 @@ class Tally:
     verify_s: float = 0.0
     mismatches: int = 0
 
-    def add(self, stats, seconds: float, reference: list[list[int]], prompt_ids: list[list[int]],
+    def add(self, stats, seconds: float, reference: list[list[int]] | None, prompt_ids: list[list[int]],
             categories: list[str | None]) -> None:
+        """reference: plain decoding's tokens, the lossless check's; None where no plain decoding ran (nothing
+        is checked then, rather than the tokens against themselves)."""
         self.accepted += [a for row in stats.accepted for a in row]
         self.categories += [c for c, row in zip(categories, stats.accepted) for _ in row]
         self.prompt_of_round += [self.prompts + j for j, row in enumerate(stats.accepted) for _ in row]
@@ -129,7 +135,8 @@ class Tally:
         self.wall_s += seconds
         self.draft_s += stats.draft_s
         self.verify_s += stats.verify_s
-        self.mismatches += sum(t != r for t, r in zip(stats.tokens, reference))
+        if reference is not None:
+            self.mismatches += sum(t != r for t, r in zip(stats.tokens, reference))
 
     def split_rounds(self) -> tuple[list[int], list[int]]:
         """Accepted counts of the copy rounds and of the others."""
@@ -299,6 +306,8 @@ def evaluate(cfg: RunConfig, target: Target, head, out_dir: Path, head_path: str
                                       ev.advice, head.config.kind,
                                       serve_dirs or dict.fromkeys(("sglang", "vllm"), head_path or "<head dir>"),
                                       evaluated_shapes(report, tallies))
+    if ev.engine.name:  # the same head served by the engine, its tau beside our chain's
+        report["engine"] = engine_digest(evaluate_in_engine(cfg, target, head, out_dir))
     write_report(report, rows, out_dir, cfg.wandb)
     shutil.rmtree(out_dir / PARTIAL)  # finished: a later evaluation measures afresh
     return report
@@ -319,7 +328,7 @@ def evaluate_head_tau(head, target: Target, prompts: list[str], cfg: EvalConfig)
         for start in range(0, len(prompts), cfg.batch_size):
             ids = [target.prompt_ids(p) for p in prompts[start : start + cfg.batch_size]]
             stats = speculative_generate(runner, proposer, ids, cfg.loop_max_new_tokens, eos, GREEDY, None, pad)
-            tally.add(stats, 0.0, stats.tokens, ids, [None] * len(ids))
+            tally.add(stats, 0.0, None, ids, [None] * len(ids))
     finally:
         head.train(was_training)
     return {**tally.tau_split(), "accept_per_depth": metrics.accept_per_depth(tally.accepted, t.depth),
@@ -334,4 +343,5 @@ def run(cfg: RunConfig, target) -> dict:
     report = evaluate(cfg, target.get(), load_head(path), out_dir, str(path), serve_dirs)
     log.info("tau %.2f, speedup %.2fx, lossless mismatches %s; report in %s", report["tau"], report["speedup"],
              report["lossless_mismatches"], out_dir / "report.json")
-    return {"report": str(out_dir / "report.json"), **{k: report[k] for k in ("tau", "speedup", "lossless_mismatches")}}
+    return {"report": str(out_dir / "report.json"), "engine": report.get("engine"),
+            **{k: report[k] for k in ("tau", "speedup", "lossless_mismatches")}}

@@ -19,15 +19,16 @@ MTP_LAYOUTS = {"deepseek_mtp": deepseek_mtp, "qwen3_next_mtp": qwen3_next_mtp}
 
 
 def export_eagle3(head, fmt: str, out_dir: str | Path, dtype: str = "bfloat16", target: str | None = None,
-                  target_config: Mapping | None = None) -> Path:
-    """Write an `Eagle3Head` in layout `fmt` to `out_dir` (replaced whole); `target` names the verifier."""
+                  target_config: Mapping | None = None, speculative_tokens: int = 3) -> Path:
+    """Write an `Eagle3Head` in layout `fmt` to `out_dir` (replaced whole); `target` names the verifier, and
+    `speculative_tokens` the chain an engine drafts by default (where the layout records one)."""
     if fmt not in EAGLE3_LAYOUTS:
         raise common.ExportError(f"export format {fmt!r} does not fit an EAGLE-3 head; "
                                  f"expected one of {list(EAGLE3_LAYOUTS)}")
     if target_config is not None:
         common.check_target_dims(target_config, common.eagle3_target_dims(head.config), f"{fmt} export")
     state = {k: v.detach().cpu() for k, v in head.trainable_state_dict().items()}
-    converted = EAGLE3_LAYOUTS[fmt].convert(state, head.config, dtype, target)
+    converted = EAGLE3_LAYOUTS[fmt].convert(state, head.config, dtype, target, speculative_tokens)
     out = common.write_export(out_dir, converted)
     log.info("exported %s head (%s) to %s", fmt, dtype, out)
     return out

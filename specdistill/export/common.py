@@ -10,6 +10,8 @@ and top-level `eagle_aux_hidden_state_layer_ids` (input, read by vLLM and specul
 from __future__ import annotations
 
 import json
+import logging
+import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +21,8 @@ import torch
 from specdistill.heads.eagle3 import Eagle3Config
 from specdistill.heads.layers import HeadArch
 from specdistill.io import atomic_dir, save_tensors, write_json
+
+log = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -193,9 +197,18 @@ def check_eagle3(state: Mapping[str, torch.Tensor], config: Eagle3Config, where:
     if num_aux is not None and len(ids) != num_aux:
         raise ExportError(f"{where}: head config `aux_layer_ids` = {ids}; this engine's loader reads exactly "
                           f"{num_aux} captured layers (its fc input is {num_aux} x target_hidden_size)")
-    if any(not 0 <= i < num_layers for i in ids) or len(set(ids)) != len(ids):
-        raise ExportError(f"{where}: head config `aux_layer_ids` = {ids}, expected distinct layer outputs "
-                          f"in [0, {num_layers}) (target_num_layers = {num_layers})")
+    if any(not 0 <= i < num_layers for i in ids) or ids != sorted(set(ids)):
+        raise ExportError(f"{where}: head config `aux_layer_ids` = {ids}, expected distinct ascending layer outputs "
+                          f"in [0, {num_layers}) (target_num_layers = {num_layers}): engines concatenate the "
+                          "captured layers in ascending order")
+
+
+def check_target_width(config: Eagle3Config, where: str) -> None:
+    """Layouts whose loader gives the draft the target's embedding need a head as wide as the target."""
+    if config.arch.hidden_size != config.target_hidden_size:
+        raise ExportError(f"{where}: the head is {config.arch.hidden_size} wide, the target {config.target_hidden_size}; "
+                          "this engine loads the target's embedding into the draft, so it serves only a head of the "
+                          "target's width (the vllm layout carries the head's own embedding)")
 
 
 def check_target_dims(target_config: Mapping, expected: Mapping[str, int], where: str) -> None:
@@ -321,9 +334,16 @@ def stitched_index(target_index: Mapping, weights_file: str, keys: Sequence[str]
 
 
 def write_export(out_dir: str | Path, converted: Converted) -> Path:
-    """Write the weights file + `config.json` (+ any extra json files) into `out_dir`, all or nothing."""
+    """Write the weights file + `config.json` (+ any extra json files) into `out_dir`, all or nothing. Files of
+    the user's already in `out_dir` (a serve script, a model card) are carried over, not deleted."""
     out_dir = Path(out_dir)
+    ours = {converted.weights_file, CONFIG_FILE, *converted.extra_json}
+    foreign = sorted(p for p in out_dir.iterdir() if p.name not in ours) if out_dir.is_dir() else []
     with atomic_dir(out_dir) as tmp:
+        for path in foreign:
+            (shutil.copytree if path.is_dir() else shutil.copy2)(path, tmp / path.name)
+        if foreign:
+            log.info("%s: kept %s, which the export does not write", out_dir, ", ".join(p.name for p in foreign))
         save_tensors(tmp / converted.weights_file, converted.tensors, metadata={"format": "pt"})
         write_json(tmp / CONFIG_FILE, converted.config)
         for name, obj in converted.extra_json.items():

@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
 from specdistill.config import EMBEDDED_TARGET, RANDOM_TARGET, RunConfig
 from specdistill.export import EAGLE3_LAYOUTS, MTP_LAYOUTS, common, export_eagle3, export_mtp
 from specdistill.heads import load_head, trained_head_dir
+from specdistill.target import served_dir
 
 log = logging.getLogger(__name__)
-SERVED_NAMES = {EMBEDDED_TARGET: "HuggingFaceTB/SmolLM2-135M-Instruct", RANDOM_TARGET: None}  # engines' names
+SERVED_NAMES = {EMBEDDED_TARGET: "HuggingFaceTB/SmolLM2-135M-Instruct"}  # the engines' name of a target
+DEFAULT_SPECULATIVE_TOKENS = 3
 
 
 def export_checkpoint(ckpt: str | Path, formats: list[str], out: str | Path, dtype: str = "bfloat16",
-                      target: str | None = None) -> dict[str, str]:
-    """Write the head in `ckpt` in every format, each into `<out>/<format>/`; returns format -> path."""
+                      target: str | None = None, speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS) -> dict[str, str]:
+    """Write the head in `ckpt` in every format, each into `<out>/<format>/`; returns format -> path. `target`
+    names the verifier (speculators layout), `speculative_tokens` the chain vLLM drafts by default there."""
     head = load_head(ckpt)
     layouts = MTP_LAYOUTS if head.config.kind == "mtp" else EAGLE3_LAYOUTS
     unfit = [fmt for fmt in formats if fmt not in layouts]
@@ -25,14 +29,26 @@ def export_checkpoint(ckpt: str | Path, formats: list[str], out: str | Path, dty
     if layouts is MTP_LAYOUTS:
         paths = {fmt: str(export_mtp(head, fmt, Path(out) / fmt, dtype)) for fmt in formats}
     else:
-        paths = {fmt: str(export_eagle3(head, fmt, Path(out) / fmt, dtype, target)) for fmt in formats}
+        paths = {fmt: str(export_eagle3(head, fmt, Path(out) / fmt, dtype, target, speculative_tokens=speculative_tokens))
+                 for fmt in formats}
     log.info("exported %s from %s to %s", ", ".join(formats), ckpt, out)
     return paths
 
 
+def advised_speculative_tokens(run_dir: Path) -> int:
+    """The chain the run's evaluation advises for vLLM at its smallest batch, else the default."""
+    report = run_dir / "eval" / "report.json"
+    advice = json.loads(report.read_text()).get("serving_advice") if report.exists() else None
+    steps = advice["per_batch"][0]["vllm_steps"] if advice and advice.get("per_batch") else 0
+    return steps if steps >= 1 else DEFAULT_SPECULATIVE_TOKENS
+
+
 def run(cfg: RunConfig, target=None) -> dict:
-    """Export stage entry; `target` is unused (every dimension is in the head config)."""
+    """Export stage entry; `target` is unused (every dimension is in the head config). The verifier is the target's
+    HF name (the random target: its saved folder)."""
     out = Path(cfg.out) if cfg.out else cfg.run_dir / "export"
-    served = SERVED_NAMES.get(cfg.target.name, cfg.target.name)
-    paths = export_checkpoint(trained_head_dir(cfg.run_dir), cfg.export.formats, out, cfg.export.dtype, served)
+    served = str(served_dir(cfg.target)) if cfg.target.name == RANDOM_TARGET else SERVED_NAMES.get(cfg.target.name,
+                                                                                                  cfg.target.name)
+    steps = cfg.export.speculative_tokens or advised_speculative_tokens(cfg.run_dir)
+    paths = export_checkpoint(trained_head_dir(cfg.run_dir), cfg.export.formats, out, cfg.export.dtype, served, steps)
     return {"formats": paths}

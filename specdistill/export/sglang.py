@@ -28,8 +28,9 @@ NUM_AUX = 3  # fc input is hard-wired to 3 x target_hidden_size
 
 
 def convert(state: Mapping[str, torch.Tensor], config: Eagle3Config, dtype: str = "bfloat16",
-            target: str | None = None) -> common.Converted:
+            target: str | None = None, speculative_tokens: int = 3) -> common.Converted:
     """Validated SGLang tensors and config.json for one head (`target` is not recorded here)."""
     common.check_eagle3(state, config, f"{NAME} export", NUM_AUX)
+    common.check_target_width(config, f"{NAME} export")
     return common.Converted(common.rename(common.cast(state, dtype, D2T_DTYPE), KEY_MAP),
                             common.eagle3_fields(config, dtype))

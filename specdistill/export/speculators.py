@@ -32,13 +32,20 @@ REQUIRED_KEYS = tuple(v for v in KEY_MAP.values() if v is not None)
 D2T_DTYPE = torch.int64
 NUM_AUX = 3  # vLLM's fc input is hard-wired to 3 x target_hidden_size
 ARCHITECTURE = "Eagle3Speculator"
-SPECULATIVE_TOKENS = 3  # default number of draft tokens vLLM proposes per step for this head
 
 
 def convert(state: Mapping[str, torch.Tensor], config: Eagle3Config, dtype: str = "bfloat16",
-            target: str | None = None) -> common.Converted:
-    """Validated speculators tensors and config.json; `target` is the verifier's HF id or path."""
+            target: str | None = None, speculative_tokens: int = 3) -> common.Converted:
+    """Validated speculators tensors and config.json; `target` is the verifier's HF id or path (vLLM serves it with
+    this draft, so it is required), `speculative_tokens` the chain vLLM drafts by default."""
     common.check_eagle3(state, config, f"{NAME} export", NUM_AUX)
+    if not target:
+        raise common.ExportError(f"{NAME} export: no verifier; vLLM serves the target named in "
+                                 "`speculators_config.verifier.name_or_path`, so give the target's HF id or local path "
+                                 "(scripts/export.py verifier=<id or path>)")
+    if speculative_tokens < 1:
+        raise common.ExportError(f"{NAME} export: speculative_tokens = {speculative_tokens}, expected at least 1")
+    common.check_target_width(config, f"{NAME} export")
     layer = common.llama_fields(config.arch, config.vocab_size) | {
         "num_hidden_layers": 1, "tie_word_embeddings": False, "torch_dtype": dtype, "dtype": dtype}
     fields = {
@@ -46,7 +53,7 @@ def convert(state: Mapping[str, torch.Tensor], config: Eagle3Config, dtype: str 
         "speculators_model_type": "eagle3",
         "speculators_config": {
             "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": SPECULATIVE_TOKENS}],
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": target, "architectures": []},
         },

@@ -33,7 +33,7 @@ EAGLE_FLAGS = {"eh_proj_before_attn": False, "norm_before_fc": False, "return_hi
 
 
 def convert(state: Mapping[str, torch.Tensor], config: Eagle3Config, dtype: str = "bfloat16",
-            target: str | None = None) -> common.Converted:
+            target: str | None = None, speculative_tokens: int = 3) -> common.Converted:
     """Validated TensorRT-LLM tensors and config.json for one head (`target` is not recorded here)."""
     common.check_eagle3(state, config, f"{NAME} export", NUM_AUX)
     fields = common.eagle3_fields(config, dtype)

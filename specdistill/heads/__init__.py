@@ -1,4 +1,5 @@
-"""Draft heads and their own checkpoint format (`head.safetensors` + `head_config.json`).
+"""Draft heads and their own checkpoint format (`head.safetensors` + `head_config.json` + `checksums.json`,
+verified on every load, so a corrupted head is never evaluated or exported).
 
 The trainer and the drafter see a head only through: `initial_hidden`, `step`, `logits`,
 `draft_to_target`, `init_from_target`, `trainable_state_dict`.
@@ -7,6 +8,7 @@ The trainer and the drafter see a head only through: `initial_hidden`, `step`, `
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -16,8 +18,16 @@ from specdistill.config import HeadConfig
 from specdistill.heads.eagle3 import Eagle3Config, Eagle3Head
 from specdistill.heads.layers import HeadArch
 from specdistill.heads.mtp import MTPConfig, MTPHead
-from specdistill.io import save_tensors, write_json
+from specdistill.io import (
+    CorruptFile,
+    embedding_fingerprint,
+    save_tensors,
+    verify_checksums,
+    write_checksums,
+    write_json,
+)
 
+log = logging.getLogger(__name__)
 HEADS = {"eagle3": (Eagle3Config, Eagle3Head), "mtp": (MTPConfig, MTPHead)}
 HEAD_WEIGHTS = "head.safetensors"
 HEAD_CONFIG = "head_config.json"
@@ -28,10 +38,6 @@ def arch_from_target(target_config, head_cfg: HeadConfig) -> HeadArch:
     tc = target_config
     heads = head_cfg.num_attention_heads or tc.num_attention_heads
     hidden = head_cfg.hidden_size or tc.hidden_size
-    rope = dict(
-        getattr(tc, "rope_parameters", None)
-        or {"rope_type": "default", "rope_theta": getattr(tc, "rope_theta", 10000.0)}
-    )
     return HeadArch(
         hidden_size=hidden,
         intermediate_size=head_cfg.intermediate_size or tc.intermediate_size,
@@ -40,8 +46,25 @@ def arch_from_target(target_config, head_cfg: HeadConfig) -> HeadArch:
         head_dim=head_cfg.head_dim or getattr(tc, "head_dim", None) or hidden // heads,
         rms_norm_eps=float(tc.rms_norm_eps),
         max_position_embeddings=int(tc.max_position_embeddings),
-        rope_parameters=rope,
+        rope_parameters=target_rope(tc),
     )
+
+
+def target_rope(target_config) -> dict:
+    """The target's `rope_parameters` (transformers >= 5), which the head's RoPE must equal. A config without
+    them (transformers 4.x spells RoPE `rope_theta` + `rope_scaling`, and its rotary ignores
+    `rope_parameters`) is refused rather than read as theta 10000, which would train a head at wrong positions.
+    A target with RoPE per layer type (Gemma 3: local and global) gives the head its global layers' RoPE: the
+    head attends over the whole context, as those layers do."""
+    rope = getattr(target_config, "rope_parameters", None)
+    if isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):
+        rope = rope["full_attention"]
+    if not isinstance(rope, dict) or "rope_theta" not in rope or "rope_type" not in rope:
+        raise ValueError(
+            f"target config {type(target_config).__name__}: `rope_parameters` = {rope!r}, expected one dict with "
+            "`rope_type` and `rope_theta` (a transformers >= 5 field), or one per layer type with `full_attention`"
+        )
+    return dict(rope)
 
 
 def build_head(head_cfg: HeadConfig, target, d2t: torch.Tensor, t2d: torch.Tensor):
@@ -60,6 +83,8 @@ def build_head(head_cfg: HeadConfig, target, d2t: torch.Tensor, t2d: torch.Tenso
         target_hidden_size=tc.hidden_size,
         aux_layer_ids=list(target.layer_ids),
         target_num_layers=tc.num_hidden_layers,
+        target_name=target.name,
+        target_embedding=embedding_fingerprint(target.model.get_input_embeddings().weight),
         **extra,
     )
     head = head_cls(config)
@@ -80,21 +105,56 @@ def build_head(head_cfg: HeadConfig, target, d2t: torch.Tensor, t2d: torch.Tenso
     return head
 
 
+class HeadMismatch(ValueError):
+    """A head was trained for another target than the one it is asked to draft for."""
+
+
+def check_head_fits_target(head, target, where: str | Path) -> None:
+    """Raise HeadMismatch, naming both sides, when the head in `where` was trained for another target than `target`
+    (another vocabulary, hidden size, depth, capture layers or embedding): such a head would yield a
+    valid-looking report of nonsense, or a shape error after the plain decoding already ran."""
+    c = head.config
+    sides = [("vocabulary", c.vocab_size, target.vocab_size),
+             ("hidden size", c.target_hidden_size, target.hidden_size),
+             ("decoder layers", c.target_num_layers, target.config.num_hidden_layers)]
+    if c.kind == "eagle3":  # an MTP head reads only the last hidden state
+        sides.append(("capture layers", list(c.aux_layer_ids), list(target.layer_ids)))
+    if c.target_embedding is not None:
+        sides.append(("input embedding fingerprint", c.target_embedding[:12],
+                      embedding_fingerprint(target.model.get_input_embeddings().weight)[:12]))
+    wrong = [f"{name}: the head's {ours}, the target's {theirs}" for name, ours, theirs in sides if ours != theirs]
+    if wrong:
+        raise HeadMismatch(f"{where}: the head was trained for target `{c.target_name or 'unrecorded'}`, which does not "
+                           f"fit target `{target.name}` ({'; '.join(wrong)}); evaluate or export it with the target "
+                           "it was trained for, or train a head for this one")
+
+
 def save_head(head, directory: str | Path) -> None:
     directory = Path(directory)
     save_tensors(
         directory / HEAD_WEIGHTS, {k: v.detach().cpu() for k, v in head.trainable_state_dict().items()}
     )
     write_json(directory / HEAD_CONFIG, head.config.to_dict())
+    write_checksums(directory)
 
 
 def load_head(directory: str | Path, device: str | torch.device = "cpu"):
+    """The head saved in `directory`, its files checked against their checksums first."""
     directory = Path(directory)
     if not (directory / HEAD_CONFIG).exists():
         raise FileNotFoundError(f"{directory}: no {HEAD_CONFIG}; expected a head checkpoint directory")
-    d = json.loads((directory / HEAD_CONFIG).read_text())
-    config = HEADS[d.get("kind", "eagle3")][0].from_dict(d)
-    return head_from_state(config, load_file(str(directory / HEAD_WEIGHTS)), str(directory / HEAD_WEIGHTS)).to(device)
+    verify_checksums(directory)
+    weights = directory / HEAD_WEIGHTS
+    try:
+        d = json.loads((directory / HEAD_CONFIG).read_text())
+        config = HEADS[d.get("kind", "eagle3")][0].from_dict(d)
+    except (ValueError, KeyError, TypeError) as err:  # bad UTF-8, bad JSON, missing or unexpected fields
+        raise CorruptFile(f"{directory / HEAD_CONFIG}: not a head config ({err!r})") from err
+    try:
+        state = load_file(str(weights))
+    except Exception as err:  # safetensors raises its own error types for a truncated or garbled file
+        raise CorruptFile(f"{weights}: unreadable ({err})") from err
+    return head_from_state(config, state, str(weights)).to(device)
 
 
 def head_from_state(config, state: dict[str, torch.Tensor], source: str):
@@ -108,9 +168,19 @@ def head_from_state(config, state: dict[str, torch.Tensor], source: str):
 
 
 def trained_head_dir(run_dir: str | Path) -> Path:
-    """`ckpt/best/` if training kept one, else `ckpt/final/`: the head evaluate and export use."""
+    """`ckpt/best/` if training kept one, else `ckpt/final/`: the head evaluate and export use. A corrupted
+    best/ falls back to final/ with a warning; when both are corrupted the error names their files."""
+    corrupt = []
     for name in ("best", "final"):
-        if (Path(run_dir) / "ckpt" / name / HEAD_CONFIG).exists():
-            return Path(run_dir) / "ckpt" / name
+        directory = Path(run_dir) / "ckpt" / name
+        if (directory / HEAD_CONFIG).exists():
+            try:
+                verify_checksums(directory)
+                return directory
+            except CorruptFile as err:
+                log.warning("%s; falling back to the next head checkpoint", err)
+                corrupt.append(str(err))
+    if corrupt:
+        raise CorruptFile(f"no intact head checkpoint: {'; '.join(corrupt)}; run the train stage again")
     raise FileNotFoundError(f"{Path(run_dir) / 'ckpt'}: neither best/ nor final/ holds a head checkpoint; "
                             "run the train stage first")

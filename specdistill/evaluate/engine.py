@@ -1,0 +1,306 @@
+"""The exported head served by a real engine: its own acceptance counters beside our chain drafter's.
+
+Our evaluator measures a head with our code; a user serves it with an engine that reads our export its
+own way. Here the engine (vLLM) runs in its own environment (it pins its own transformers) through
+`vllm_worker.py`: once without a draft, for its plain greedy outputs and speed, then once per export
+layout. Both sides decode the very same token ids (our chat template, greedy, `eval.max_new_tokens`);
+ours drafts a chain of `num_speculative_tokens` with the in-memory head, its weights rounded to the
+export dtype, in the engine's dtype. In float32 the two must agree count for count: any difference is a
+finding about the export or the engine (a layer-id convention, a norm flag, the vocabulary map), and is
+reported loudly, never tuned away.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specdistill.cache import ResultCache, content_key
+from specdistill.config import ENGINE_LAYOUTS, EngineConfig, EvalConfig, RunConfig
+from specdistill.evaluate.bench import conversation_ids, load_prompts
+from specdistill.export import export_eagle3
+from specdistill.export.common import CONFIG_FILE, DTYPES, WEIGHTS_FILE, read_config
+from specdistill.export.reader import detect_layout
+from specdistill.io import atomic_dir, write_json
+from specdistill.spec.decode import GREEDY, HeadProposer, speculative_generate
+from specdistill.target import Target, TargetRunner, computing_in, served_dir
+
+log = logging.getLogger(__name__)
+WORKERS = {"vllm": Path(__file__).with_name("vllm_worker.py")}
+LOCAL_ENGINE_PYTHON = Path(__file__).resolve().parents[2] / ".engine" / "bin" / "python"  # made by `make engine`
+# What the vLLM CPU backend needs on a shared machine; a value the user set wins.
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
+# Log lines in which an engine says weights were skipped, left uninitialised or not found.
+WEIGHT_PROBLEM = re.compile(r"missing (keys?|weights?|parameters?)|unexpected (keys?|weights?|parameters?)"
+                            r"|not (been )?(loaded|initiali[sz]ed)|were not used|weights not found", re.IGNORECASE)
+# bfloat16: the engine's and our decodes part ways (rounding differs by batch shape), so the two taus are two
+# samples of one acceptance process; beyond this many standard errors apart is more than sampling noise. Draft
+# outcomes within a prompt are correlated, so the plain standard error is an underestimate: hence 3, not 2.
+# Measured spread in docs/results.md ("vLLM in the loop").
+BF16_Z_LIMIT = 3.0
+NEAR_TIE_SHARE = 0.01  # float32: at most this share of drafts scored differently, and tau within it, is a near-tie
+
+
+class EngineError(RuntimeError):
+    """The engine could not run a head; the message names the engine, the run and its log file."""
+
+
+def engine_python(engine: str, configured: str | None) -> str:
+    """The interpreter that has the engine: as configured, else `.engine/` beside the package, else this one."""
+    if configured:
+        return configured
+    if LOCAL_ENGINE_PYTHON.exists():
+        return str(LOCAL_ENGINE_PYTHON)
+    if importlib.util.find_spec(engine) is None:
+        raise EngineError(f"eval.engine.name={engine}: {engine} is not installed here; `make engine` installs it into "
+                          f"{LOCAL_ENGINE_PYTHON.parents[1]}, or set eval.engine.python to an interpreter that has it")
+    return sys.executable
+
+
+def rounded(head, dtype: str):
+    """A copy of `head` whose weights went through the export dtype and back, as the engine reads them."""
+    out = copy.deepcopy(head)
+    with torch.no_grad():
+        for t in [*out.parameters(), *out.buffers()]:
+            if t.dtype.is_floating_point:
+                t.copy_(t.to(DTYPES[dtype]).to(t.dtype))
+    return out
+
+
+def chain_counters(rounds: list[int], k: int) -> dict:
+    """The engine's counters from accepted drafts per round: rounds, accepted tokens, accepted per position."""
+    return {"drafts": len(rounds), "accepted": sum(rounds),
+            "accepted_per_pos": [sum(a > p for a in rounds) for p in range(k)]}
+
+
+def tau_of(counters: dict) -> float:
+    """1 + accepted / drafts: the engine's mean acceptance length, our tau."""
+    return 1 + counters["accepted"] / counters["drafts"] if counters["drafts"] else 1.0
+
+
+def tau_z(a: dict, b: dict) -> float:
+    """(tau_a - tau_b) in standard errors of the difference, from the accepted-length histograms the
+    per-position counts give (position p is reached by the drafts accepting more than p tokens)."""
+    def mean_var(c: dict) -> tuple[float, float, int]:
+        n, reach = c["drafts"], [*c["accepted_per_pos"], 0]
+        hist = {0: n - reach[0], **{i + 1: reach[i] - reach[i + 1] for i in range(len(reach) - 1)}}
+        mean = sum(k * v for k, v in hist.items()) / n
+        return mean, sum(v * (k - mean) ** 2 for k, v in hist.items()) / n, n
+
+    (ma, va, na), (mb, vb, nb) = mean_var(a), mean_var(b)
+    se = (va / na + vb / nb) ** 0.5
+    return (ma - mb) / se if se else 0.0
+
+
+def our_chain(target: Target, head, ev: EvalConfig, k: int) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """Our chain of `k` over the benchmark: prompt ids (later turns follow our greedy answers), outputs, and
+    accepted drafts per round."""
+    items, _ = load_prompts(ev.bench, ev.limit, ev.max_turns)
+    runner, proposer = TargetRunner(target), HeadProposer(head, target.vocab_size, "chain", k)
+    prompts, outputs, rounds, answers = [], [], [], [[] for _ in items]
+    bar = tqdm(total=sum(len(it) for it in items), desc=f"our chain of {k}", unit="prompt")
+    for turn in range(max(len(it) for it in items)):
+        todo = [i for i, it in enumerate(items) if len(it) > turn]
+        for start in range(0, len(todo), ev.batch_size):
+            chunk = todo[start : start + ev.batch_size]
+            ids = [conversation_ids(target.tokenizer, items[i][: turn + 1], answers[i]) for i in chunk]
+            stats = speculative_generate(runner, proposer, ids, ev.max_new_tokens, target.eos_ids, GREEDY, None,
+                                         target.tokenizer.pad_token_id)
+            for i, tokens in zip(chunk, stats.tokens):
+                answers[i].append(target.tokenizer.decode(tokens, skip_special_tokens=True))
+            prompts += ids
+            outputs += stats.tokens
+            rounds += [a for row in stats.accepted for a in row]
+            bar.update(len(chunk))
+    bar.close()
+    return prompts, outputs, rounds
+
+
+def files_fingerprint(directory: str | None) -> list:
+    """Each file's name, size and modification time: a folder rewritten since is served afresh."""
+    if directory is None:
+        return []
+    return [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(Path(directory).iterdir()) if p.is_file()]
+
+
+def run_worker(engine: str, python: str, request: dict, work: Path, run_name: str) -> dict:
+    """One engine process over the prompts; its result, with the log lines about weights it did not load. A run
+    already finished for the same request, target and draft files is taken from `<work>/runs.jsonl`."""
+    done = ResultCache(work, stem="runs")
+    key = content_key(engine, python, request, files_fingerprint(request["target"]), files_fingerprint(request["draft"]))
+    if (cached := done.get(key)) is not None:
+        log.info("%s (%s): the same run finished before; its result is reused from %s", engine, run_name, work)
+        return cached
+    request_path, result_path, log_path = (work / f"{run_name}.{suffix}" for suffix in ("request.json", "result.json", "log"))
+    write_json(request_path, request)
+    result_path.unlink(missing_ok=True)
+    env = {**ENGINE_ENV, "OMP_NUM_THREADS": str(torch.get_num_threads()), **os.environ}
+    with open(log_path, "w") as log_file:
+        proc = subprocess.run([python, str(WORKERS[engine]), str(request_path), str(result_path)], env=env,
+                              stdout=log_file, stderr=subprocess.STDOUT)
+    lines = log_path.read_text(errors="replace").splitlines()
+    if proc.returncode != 0 or not result_path.exists():
+        tail = "\n".join(lines[-30:])
+        raise EngineError(f"{engine} ({run_name}, {python}) exited with code {proc.returncode}; its log is "
+                          f"{log_path}, ending:\n{tail}")
+    result = json.loads(result_path.read_text())
+    result["weight_warnings"] = [line for line in lines if WEIGHT_PROBLEM.search(line)]
+    done.put(key, result)
+    return result
+
+
+def compare(ours: dict, served: dict, plain: dict, our_outputs: list[list[int]], dtype: str) -> dict:
+    """One layout's engine run beside ours: counters, tau ratio, lossless check, speed, and any finding."""
+    counters = served["counters"]
+    new_tokens = sum(len(o) for o in served["outputs"])
+    mismatched = [i for i, (a, b) in enumerate(zip(served["outputs"], plain["outputs"])) if a != b]
+    ratio = tau_of(counters) / tau_of(ours)
+    same = all(counters[key] == ours[key] for key in ("drafts", "accepted", "accepted_per_pos"))
+    return {
+        **counters,
+        "tau": tau_of(counters),
+        "acceptance_per_pos": [a / counters["drafts"] if counters["drafts"] else 0.0
+                               for a in counters["accepted_per_pos"]],
+        "counters_equal_ours": same,
+        "tau_ratio_to_ours": ratio,
+        "tau_z_to_ours": tau_z(counters, ours),
+        "outputs_equal_plain": len(served["outputs"]) - len(mismatched),
+        "mismatched_prompts": mismatched,
+        "outputs_equal_ours": sum(a == b for a, b in zip(served["outputs"], our_outputs)),
+        "new_tokens": new_tokens,
+        "wall_s": served["wall_s"],
+        "load_s": served["load_s"],
+        "tokens_per_s": new_tokens / served["wall_s"] if served["wall_s"] else 0.0,
+        "speedup_vs_plain": plain["wall_s"] / served["wall_s"] if served["wall_s"] else 0.0,
+        "weight_warnings": served["weight_warnings"],
+        "finding": finding_of(ours, counters, plain, our_outputs, served["weight_warnings"], dtype),
+    }
+
+
+def finding_of(ours: dict, counters: dict, plain: dict, our_outputs: list, warnings: list, dtype: str) -> str | None:
+    """Why the engine's count is not ours, in words, or None. The cause is named where the numbers tell it: a
+    target that decodes differently in the engine makes the counts incomparable; in float32 a few drafts scored
+    differently fit near-ties between two kernels' rounding, a shifted tau an export read wrongly."""
+    findings = []
+    if plain["outputs"] != our_outputs:
+        differ = sum(a != b for a, b in zip(plain["outputs"], our_outputs))
+        findings.append(f"the target itself decodes differently in the engine ({differ}/{len(our_outputs)} plain "
+                        "greedy outputs differ from ours), so its counts cannot equal ours")
+    same = all(counters[key] == ours[key] for key in ("drafts", "accepted", "accepted_per_pos"))
+    ratio = tau_of(counters) / tau_of(ours)
+    moved = sum(abs(a - b) for a, b in zip(counters["accepted_per_pos"], ours["accepted_per_pos"]))
+    if dtype == "float32" and not same:
+        cause = (f"{moved} per-position counts of {ours['drafts']} drafts moved, tau within {abs(ratio - 1):.2%}: "
+                 "fits argmax near-ties rounded differently by the engine's kernels and torch's"
+                 if abs(ratio - 1) <= NEAR_TIE_SHARE and moved <= NEAR_TIE_SHARE * ours["drafts"] else
+                 "the export is read differently from how it was trained")
+        findings.append(f"the engine's counters differ from ours in float32 (engine tau {tau_of(counters):.3f}, "
+                        f"ours {tau_of(ours):.3f}; per position {counters['accepted_per_pos']} vs "
+                        f"{ours['accepted_per_pos']}): {cause}")
+    elif not same and abs(z := tau_z(counters, ours)) > BF16_Z_LIMIT:
+        findings.append(f"engine tau / ours = {ratio:.3f}, {z:+.1f} standard errors apart: beyond {dtype} "
+                        f"sampling noise (limit {BF16_Z_LIMIT:g})")
+    if warnings:
+        findings.append("the engine reported weights it did not load")
+    return "; ".join(findings) or None
+
+
+def engine_evaluation(ec: EngineConfig, ev: EvalConfig, target: Target, head, exports: dict[str, Path],
+                      target_dir: Path, out_dir: Path) -> dict:
+    """Serve each export in `exports` ({name: dir}, the layout read from its config) with the target in
+    `target_dir`; compare with `head` (the weights the exports hold) drafting as our chain. Writes
+    `<out_dir>/engine.json` and returns it."""
+    target = computing_in(target, ec.dtype)
+    head = head.to(device=next(target.model.parameters()).device, dtype=target.model.dtype).eval()
+    k = ec.num_speculative_tokens
+    log.info("our chain of %d on %s (%d prompts, %s)", k, ev.bench, ev.limit, ec.dtype)
+    prompts, our_outputs, rounds = our_chain(target, head, ev, k)
+    ours = {"drafter": f"chain of {k}", **chain_counters(rounds, k)}
+    ours["tau"] = tau_of(ours)
+    python, work = engine_python(ec.name, ec.python), out_dir / "engine"
+    request = {"target": str(target_dir), "draft": None, "layout": None, "num_speculative_tokens": k,
+               "dtype": ec.dtype, "enforce_eager": True, "max_model_len": target.config.max_position_embeddings,
+               "max_num_seqs": ec.max_num_seqs, "max_new_tokens": ev.max_new_tokens, "prompts": prompts}
+    log.info("%s: plain greedy decoding of %d prompts (log in %s)", ec.name, len(prompts), work)
+    plain = run_worker(ec.name, python, request, work, "plain")
+    plain_tokens = sum(len(o) for o in plain["outputs"])
+    report = {
+        "engine": ec.name, "version": plain["version"], "dtype": ec.dtype, "num_speculative_tokens": k,
+        "bench": ev.bench, "num_prompts": len(prompts), "max_new_tokens": ev.max_new_tokens,
+        "max_num_seqs": ec.max_num_seqs, "target_dir": str(target_dir), "ours": ours,
+        "plain": {"wall_s": plain["wall_s"], "load_s": plain["load_s"], "new_tokens": plain_tokens,
+                  "tokens_per_s": plain_tokens / plain["wall_s"] if plain["wall_s"] else 0.0,
+                  "outputs_equal_ours": sum(a == b for a, b in zip(plain["outputs"], our_outputs))},
+        "layouts": {},
+    }
+    for name, directory in exports.items():
+        layout = detect_layout(read_config(directory))
+        log.info("%s: the %s export %s drafting %d tokens", ec.name, layout, directory, k)
+        served = run_worker(ec.name, python, {**request, "draft": str(directory), "layout": layout}, work, name)
+        entry = compare(ours, served, plain, our_outputs, ec.dtype)
+        report["layouts"][name] = {"layout": layout, "dir": str(directory), **entry}
+        if entry["finding"]:
+            log.warning("FINDING (%s, %s): %s", ec.name, name, entry["finding"])
+    write_json(out_dir / "engine.json", report)
+    log.info("%s", engine_summary_line(report))
+    return report
+
+
+def engine_summary_line(report: dict) -> str:
+    """One line per layout: engine tau beside ours, their ratio, and the lossless count."""
+    ours = report["ours"]
+    parts = [f"{layout} {m['tau']:.3f} ({m['tau_ratio_to_ours']:.3f}x ours, outputs equal plain "
+             f"{m['outputs_equal_plain']}/{report['num_prompts']}{', ' + m['finding'] if m['finding'] else ''})"
+             for layout, m in report["layouts"].items()]
+    return (f"{report['engine']} {report['version']} tau ({report['dtype']}, {report['num_speculative_tokens']} "
+            f"speculative tokens): {'; '.join(parts)}; ours (chain) {ours['tau']:.3f}")
+
+
+def evaluate_in_engine(cfg: RunConfig, target: Target, head, out_dir: Path) -> dict:
+    """The evaluate stage's `eval.engine`: export `head` in each layout the engine loads (bf16 by default, the
+    speculators verifier being the local target) and serve them."""
+    ec = cfg.eval.engine
+    target_dir = served_dir(cfg.target)
+    layouts = [layout for layout in ec.layouts if layout in ENGINE_LAYOUTS[ec.name]]
+    exports = {layout: export_eagle3(head, layout, out_dir / "engine" / layout, cfg.export.dtype, str(target_dir))
+               for layout in layouts}
+    return engine_evaluation(ec, cfg.eval, target, rounded(head, cfg.export.dtype), exports, target_dir, out_dir)
+
+
+def served_exports(export_dir: Path, target_dir: Path, out_dir: Path) -> dict[str, Path]:
+    """An existing export as {layout: dir}. A speculators export names its verifier, which the engine serves: one
+    that is not the local target is served from a copy (the weights linked) whose verifier is."""
+    config = read_config(export_dir)
+    layout = detect_layout(config)
+    verifier = (config.get("speculators_config") or {}).get("verifier") or {}
+    if layout != "speculators" or verifier.get("name_or_path") == str(target_dir):
+        return {layout: export_dir}
+    served = out_dir / "engine" / "speculators-served"
+    with atomic_dir(served) as tmp:
+        (tmp / WEIGHTS_FILE).symlink_to((export_dir / WEIGHTS_FILE).resolve())
+        config["speculators_config"]["verifier"] = {**verifier, "name_or_path": str(target_dir)}
+        write_json(tmp / CONFIG_FILE, config)
+    log.info("serving %s with its verifier set to the local target %s (from %s)", export_dir, target_dir, served)
+    return {layout: served}
+
+
+def engine_digest(report: dict) -> dict:
+    """What `report.json` and `summary.md` keep of `engine.json`: each layout's tau beside ours."""
+    return {"engine": report["engine"], "version": report["version"], "dtype": report["dtype"],
+            "num_speculative_tokens": report["num_speculative_tokens"], "ours_chain_tau": report["ours"]["tau"],
+            "ours_accepted_per_pos": report["ours"]["accepted_per_pos"],
+            "layouts": {layout: {key: m[key] for key in ("tau", "tau_ratio_to_ours", "counters_equal_ours",
+                                                         "accepted_per_pos", "outputs_equal_plain", "finding")}
+                        for layout, m in report["layouts"].items()},
+            "line": engine_summary_line(report)}
+

@@ -1,0 +1,229 @@
+"""A real engine (vLLM's CPU build, in `.engine/`) serves our exports: it loads them whole, its outputs equal its own
+plain greedy decoding, and in float32 it counts, position by position, exactly what our chain drafter counts on the
+same prompts. Exports with a deliberate fault must break that agreement, so the check is shown able to fail.
+
+The engine tests are slow (`make test SLOW=1` installs the engine first and sets SPECDISTILL_ENGINE=1, which turns
+a missing engine into a failure); the tests of the comparison itself run everywhere.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specdistill.config import EngineConfig, EvalConfig, TargetConfig
+from specdistill.evaluate import engine
+from specdistill.evaluate.engine import (
+    BF16_Z_LIMIT,
+    chain_counters,
+    compare,
+    engine_evaluation,
+    served_exports,
+)
+from specdistill.export import common, export_eagle3
+from specdistill.heads import load_head, trained_head_dir
+from specdistill.target import load_target, served_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+
+@pytest.fixture(scope="module")
+def engine_ready():
+    """Skip where the engine is not installed; under SPECDISTILL_ENGINE=1 (make test SLOW=1) fail instead."""
+    try:
+        engine.engine_python("vllm", None)
+    except engine.EngineError as err:
+        if os.environ.get("SPECDISTILL_ENGINE") == "1":
+            pytest.fail(f"SPECDISTILL_ENGINE=1 but no engine: {err}")
+        pytest.skip(str(err))
+
+
+# --- the comparison, without an engine ------------------------------------------------------------------
+
+
+def test_chain_counters_are_the_engines_counters():
+    # rounds accepting 0, 3, 1 and 2 of 3 drafts: 4 drafts, 6 tokens, position p reached by rounds accepting > p
+    assert chain_counters([0, 3, 1, 2], 3) == {"drafts": 4, "accepted": 6, "accepted_per_pos": [3, 2, 1]}
+    assert engine.tau_of(chain_counters([0, 3, 1, 2], 3)) == 2.5
+
+
+def served(outputs, counters, warnings=()):
+    return {"outputs": outputs, "counters": counters, "wall_s": 2.0, "load_s": 1.0, "weight_warnings": list(warnings)}
+
+
+def test_compare_reports_any_float32_difference_and_bf16_beyond_tolerance():
+    ours = chain_counters([0, 3, 1, 2] * 25, 3)  # 100 drafts, 150 accepted: tau 2.5
+    plain = served([[1, 2], [3, 4]], {}, [])
+    same = compare(ours, served([[1, 2], [3, 4]], dict(ours)), plain, [[1, 2], [3, 4]], "float32")
+    assert same["counters_equal_ours"] and same["finding"] is None and same["outputs_equal_plain"] == 2
+    one_off = dict(ours, accepted=151, accepted_per_pos=[75, 50, 26])  # tau 2.51
+    fp32 = compare(ours, served([[1, 2], [3, 5]], one_off), plain, [[1, 2], [3, 4]], "float32")
+    assert not fp32["counters_equal_ours"] and "differ from ours in float32" in fp32["finding"]
+    assert "near-ties" in fp32["finding"]
+    misread = compare(ours, served([[1, 2], [3, 4]], dict(ours, accepted=140, accepted_per_pos=[70, 45, 25])), plain,
+                      [[1, 2], [3, 4]], "float32")
+    assert "read differently from how it was trained" in misread["finding"]
+    other_target = compare(ours, served([[1, 2], [3, 5]], dict(ours)), plain, [[1, 2], [3, 5]], "float32")
+    assert "target itself decodes differently" in other_target["finding"]
+    assert fp32["mismatched_prompts"] == [1] and fp32["outputs_equal_plain"] == 1
+    assert compare(ours, served([[1, 2], [3, 4]], one_off), plain, [[1, 2], [3, 4]], "bfloat16")["finding"] is None
+    # tau 2.25 against 2.5: sampling noise over 100 drafts, far beyond it over 1,000
+    fewer = chain_counters([0, 2, 1, 2] * 25, 3)
+    assert compare(ours, served([[1, 2], [3, 4]], fewer), plain, [[1, 2], [3, 4]], "bfloat16")["finding"] is None
+    many, fewer_of_many = chain_counters([0, 3, 1, 2] * 250, 3), chain_counters([0, 2, 1, 2] * 250, 3)
+    far = compare(many, served([[1, 2], [3, 4]], fewer_of_many), plain, [[1, 2], [3, 4]], "bfloat16")
+    assert "beyond bfloat16 sampling noise" in far["finding"]
+    warned = compare(ours, served([[1, 2], [3, 4]], dict(ours), ["weights not found: fc.weight"]), plain,
+                     [[1, 2], [3, 4]], "float32")
+    assert "did not load" in warned["finding"]
+
+
+def test_tau_z_is_the_difference_in_standard_errors():
+    ours = chain_counters([0, 3, 1, 2] * 25, 3)  # accepted lengths 0..3, each 25 times: mean 1.5, variance 1.25
+    assert engine.tau_z(ours, ours) == 0.0
+    more = chain_counters([1, 3, 1, 2] * 25, 3)  # mean 1.75, variance 0.6875
+    assert engine.tau_z(more, ours) == pytest.approx(0.25 / ((0.6875 + 1.25) / 100) ** 0.5)
+    assert engine.tau_z(ours, more) == pytest.approx(-engine.tau_z(more, ours))
+
+
+def test_only_weight_problems_count_as_weight_warnings():
+    flagged = ["Some weights of the model were not initialized: ['fc.weight']", "missing keys: ['norm.weight']",
+               "unexpected key layers.0.x in checkpoint", "weights not found: fc.weight"]
+    harmless = ["WARNING [core_client.py:817] [shutdown] MPClient: engine core exited unexpectedly; starting cleanup",
+                "The explicitly set RoPE scaling factor does not match the ratio implicitly set"]
+    assert all(engine.WEIGHT_PROBLEM.search(line) for line in flagged)
+    assert not any(engine.WEIGHT_PROBLEM.search(line) for line in harmless)
+
+
+def test_a_speculators_export_is_served_with_the_local_target_as_verifier(tmp_path):
+    target_dir = tmp_path / "target"
+    export = tmp_path / "speculators"
+    export.mkdir()
+    (export / common.WEIGHTS_FILE).write_bytes(b"weights")
+    config = {"speculators_model_type": "eagle3", "speculators_config": {"verifier": {"name_or_path": "org/model"}}}
+    (export / common.CONFIG_FILE).write_text(json.dumps(config))
+    (name, directory), = served_exports(export, target_dir, tmp_path / "out").items()
+    assert name == "speculators" and directory != export
+    assert json.loads((directory / common.CONFIG_FILE).read_text())["speculators_config"]["verifier"] == {
+        "name_or_path": str(target_dir)}
+    assert (directory / common.WEIGHTS_FILE).read_bytes() == b"weights"
+    config["speculators_config"]["verifier"]["name_or_path"] = str(target_dir)
+    (export / common.CONFIG_FILE).write_text(json.dumps(config))
+    assert served_exports(export, target_dir, tmp_path / "out") == {"speculators": export}
+
+
+# --- the real engine on the real embedded target --------------------------------------------------------
+
+EVAL = ["eval.limit=4", "eval.max_new_tokens=48", "eval.tree.depth=3", "eval.tree.topk=4", "eval.tree.num_draft_tokens=12"]
+
+
+@pytest.fixture(scope="module")
+def embedded_run(tmp_path_factory, engine_ready):
+    """The embedded target through every stage to evaluate, a head briefly trained, `eval.engine.name=vllm`."""
+    root = tmp_path_factory.mktemp("runs")
+    overrides = [
+        f"run_root={root}", "name=engine", "wandb.mode=disabled", "stages=[prepare,capture,train,evaluate]",
+        "data.synth.num_conversations=16", "data.synth.batch_size=16", "data.synth.answer_max_tokens=96",
+        "data.synth.document_min_chars=100", "data.draft_vocab_size=2048", "train.max_steps=30", "train.ttt_steps=3",
+        "train.batch_tokens=1024", "eval.engine.name=vllm", *EVAL,
+    ]
+    proc = subprocess.run([sys.executable, "train.py", *overrides], cwd=ROOT, capture_output=True, text=True,
+                          timeout=3000, env=ENV)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return root / "engine", proc.stdout
+
+
+@pytest.mark.slow
+def test_vllm_serves_both_layouts_exactly_as_our_chain_counts(embedded_run):
+    run_dir, stdout = embedded_run
+    report = json.loads((run_dir / "eval" / "engine.json").read_text())
+    assert report["engine"] == "vllm" and report["dtype"] == "float32" and report["num_speculative_tokens"] == 3
+    ours, n = report["ours"], report["num_prompts"]
+    assert n == 4 and report["plain"]["outputs_equal_ours"] == n  # the engine's greedy is ours, token for token
+    assert ours["accepted"] > 0, "the head accepts nothing: the faults below could not change its counts"
+    for layout in ("vllm", "speculators"):
+        m = report["layouts"][layout]
+        assert m["layout"] == layout and m["weight_warnings"] == []
+        assert m["outputs_equal_plain"] == n and m["mismatched_prompts"] == []
+        assert (m["drafts"], m["accepted"], m["accepted_per_pos"]) == (
+            ours["drafts"], ours["accepted"], ours["accepted_per_pos"]), layout
+        assert m["counters_equal_ours"] and m["finding"] is None
+    digest = json.loads((run_dir / "eval" / "report.json").read_text())["engine"]
+    assert digest["layouts"]["vllm"]["tau"] == report["layouts"]["vllm"]["tau"]
+    assert "## In the engine: vllm" in (run_dir / "eval" / "summary.md").read_text()
+
+
+def faulty(export: Path, out: Path, fault: str) -> Path:
+    """A copy of a vLLM export with one fault an engine cannot see but drafts wrongly with."""
+    shutil.copytree(export, out)
+    config = json.loads((out / common.CONFIG_FILE).read_text())
+    if fault == "layer_ids_off_by_one":  # both conventions moved together, so the export stays self-consistent
+        config["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
+        config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [
+            i + 1 for i in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
+    elif fault == "norm_flag_flipped":
+        config["norm_before_residual"] = not config["norm_before_residual"]
+    elif fault == "d2t_as_absolute_ids":
+        tensors = load_file(str(out / common.WEIGHTS_FILE))
+        tensors["d2t"] = tensors["d2t"] + torch.arange(len(tensors["d2t"]))
+        save_file(tensors, str(out / common.WEIGHTS_FILE), metadata={"format": "pt"})
+    (out / common.CONFIG_FILE).write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.slow
+def test_faulty_exports_make_the_engine_disagree(embedded_run, tmp_path):
+    run_dir, _ = embedded_run
+    faults = ("layer_ids_off_by_one", "norm_flag_flipped", "d2t_as_absolute_ids")
+    exports = {fault: faulty(run_dir / "eval" / "engine" / "vllm", tmp_path / fault, fault) for fault in faults}
+    target_cfg = TargetConfig()
+    head = engine.rounded(load_head(trained_head_dir(run_dir)), "bfloat16")
+    ev = EvalConfig(limit=4, max_new_tokens=48)
+    # the same out dir as the run's evaluation: its plain engine run is taken from there
+    report = engine_evaluation(EngineConfig(name="vllm"), ev, load_target(target_cfg), head, exports,
+                               served_dir(target_cfg), run_dir / "eval")
+    for fault in faults:
+        m = report["layouts"][fault]
+        assert not m["counters_equal_ours"] and "differ from ours in float32" in m["finding"], fault
+    assert report["layouts"]["d2t_as_absolute_ids"]["accepted"] < report["ours"]["accepted"]
+
+
+@pytest.mark.slow
+def test_bf16_engine_tau_stays_within_the_measured_tolerance(embedded_run, tmp_path):
+    run_dir, _ = embedded_run
+    target_cfg = TargetConfig()
+    head = engine.rounded(load_head(trained_head_dir(run_dir)), "bfloat16")
+    report = engine_evaluation(EngineConfig(name="vllm", dtype="bfloat16"), EvalConfig(limit=4, max_new_tokens=48),
+                               load_target(target_cfg), head, {"vllm": run_dir / "eval" / "engine" / "vllm"},
+                               served_dir(target_cfg), tmp_path)
+    m = report["layouts"]["vllm"]
+    assert m["weight_warnings"] == [] and m["finding"] is None
+    assert abs(m["tau_z_to_ours"]) <= BF16_Z_LIMIT
+
+
+# --- the script on the smoke target ---------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_eval_engine_script_on_a_smoke_head(tmp_path, engine_ready):
+    root = tmp_path / "runs"
+    proc = subprocess.run([sys.executable, "train.py", "+exp=smoke", f"run_root={root}", "stages=[prepare,capture,train]"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    export = export_eagle3(load_head(trained_head_dir(root / "smoke")), "vllm", tmp_path / "export", "float32")
+    out = tmp_path / "engine_eval"
+    proc = subprocess.run([sys.executable, "eval/engine.py", f"head={export}", "target=random", "limit=2",
+                           "max_new_tokens=16", f"out={out}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=1200, env=ENV)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "engine.json").read_text())
+    m = report["layouts"]["vllm"]
+    assert m["counters_equal_ours"] and m["outputs_equal_plain"] == 2 and m["weight_warnings"] == []
+    assert "vllm 0.32.0 tau" in proc.stdout
