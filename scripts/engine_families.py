@@ -24,6 +24,7 @@ ERROR_WORDS = ("Error", "error:", "Unsupported", "not supported", "FINDING")
 
 def first_error(text: str) -> str:
     lines = [line.strip() for line in text.splitlines() if any(w in line for w in ERROR_WORDS)]
+    lines = [line for line in lines if "not support" in line][:1] or lines  # the engine's reason, if it gives one
     return (lines[-1] if lines else text.strip().splitlines()[-1] if text.strip() else "no output")[:200]
 
 

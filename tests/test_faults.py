@@ -18,6 +18,8 @@ from safetensors.torch import load_file
 from specdistill.config import HeadConfig, RandomTargetConfig, TargetConfig, register, to_run_config
 from specdistill.data.vocab import build_draft_vocab
 from specdistill.evaluate.bench import BenchError, load_items
+from specdistill.evaluate.run import load_any_head
+from specdistill.export import export_eagle3
 from specdistill.fingerprint import StaleRun, check_head_is_current
 from specdistill.heads import (
     HeadMismatch,
@@ -207,6 +209,17 @@ def test_a_head_for_another_target_is_refused_naming_both_sides(smoke_head, tmp_
     with pytest.raises(HeadMismatch, match=r"trained for target `random`, which does not fit target `random`") as err:
         check_head_fits_target(load_head(tmp_path / "head"), load_target(TargetConfig(**spec)), tmp_path / "head")
     assert named in str(err.value) and str(tmp_path / "head") in str(err.value)
+
+
+def test_the_evaluation_scripts_refuse_a_head_or_export_for_another_target(smoke_head, tmp_path):
+    head, _ = smoke_head
+    save_head(head, tmp_path / "head")
+    export_eagle3(head, "vllm", tmp_path / "export", "float32")
+    other = load_target(TargetConfig(name="random", random=RandomTargetConfig(num_hidden_layers=6),
+                                     capture_layers=[1, 2, 4]))
+    for path in (tmp_path / "head", tmp_path / "export"):  # eval/acceptance.py and eval/engine.py load through it
+        with pytest.raises(HeadMismatch, match="capture layers: the head's \\[1, 2, 3\\], the target's \\[1, 2, 4\\]"):
+            load_any_head(path, other)
 
 
 def test_the_pipeline_evaluates_no_head_trained_for_another_target(trained, tmp_path):
