@@ -227,6 +227,7 @@ class EngineConfig:
 @dataclass
 class EvalConfig:
     bench: str = "spec_bench"  # a packaged benchmark name, a jsonl path or hf:<name or dir>:<split>:<column>
+    split: str = "dev"  # dev: where defaults are chosen | test: rows 2, 7, 12, ... for headline numbers only
     limit: int = 16
     max_new_tokens: int = 128
     max_turns: int = 1  # >1: later turns follow the target's own plain-decoding answers
@@ -444,6 +445,7 @@ def validate(cfg: RunConfig) -> None:
            f"expected positive batch sizes, got {adv.batch_sizes}")
     _at_least(adv.launch_us, 0, "eval.advice.launch_us")
     _at_least(adv.min_rounds, 1, "eval.advice.min_rounds")
+    _choice(cfg.eval.split, ("dev", "test"), "eval.split")
     engine = cfg.eval.engine
     if engine.name is not None:
         _choice(engine.name, tuple(ENGINE_LAYOUTS), "eval.engine.name")

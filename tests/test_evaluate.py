@@ -83,6 +83,25 @@ def test_benchmarks_jsonl_hf_and_held_out(tmp_path):
     assert len(held) == 8 and not evaluated & set(held)
 
 
+def test_no_dev_slice_and_no_held_out_prompt_reads_a_test_row():
+    test_rows = set(range(2, 480, 5))
+    assert evaluated_indices(480, 96, "test") == sorted(test_rows)
+    assert evaluated_indices(480, 16, "test") == list(range(2, 480, 30))
+    for limit in range(1, 481):
+        dev = evaluated_indices(480, limit)
+        assert len(dev) == len(set(dev)) == min(limit, 384), limit
+        assert not set(dev) & test_rows, limit
+    # the slices the earlier results were measured on are dev rows, and unchanged
+    assert evaluated_indices(480, 16) == list(range(0, 480, 30))
+    assert evaluated_indices(480, 96) == list(range(0, 480, 5))
+    items = load_items("spec_bench")
+    test_prompts = {items[i][0] for i in test_rows}
+    assert not test_prompts & set(held_out_prompts("spec_bench", 16, 64))
+    assert {turns[0] for turns in load_prompts("spec_bench", 96, split="test")[0]} == test_prompts
+    with pytest.raises(ValueError, match="eval.split"):
+        load_prompts("spec_bench", 4, split="train")
+
+
 def llama8b_like() -> tuple[ModelCost, ModelCost]:
     target = ModelCost(params=7_500_000_000, layers=32, attn_width=4096, kv_bytes_per_token=131072)
     head = ModelCost(params=400_000_000, layers=1, attn_width=4096, kv_bytes_per_token=4096)
@@ -188,6 +207,7 @@ def test_acceptance_cli_writes_the_report_contract(smoke_head, tmp_path):
     bench = tmp_path / "bench.jsonl"
     bench.write_text("\n".join(json.dumps(r) for r in [{"turns": ["Hi there", "Say it again"], "category": "chat"},
                                                        {"prompt": "2+2=", "category": "math"},
+                                                       {"prompt": "A test-split row, never read"},
                                                        {"prompt": "Tell me a story"}]) + "\n")
     out = tmp_path / "out"
     proc = subprocess.run(
@@ -245,7 +265,7 @@ def test_acceptance_cli_writes_the_report_contract(smoke_head, tmp_path):
 def test_a_killed_evaluation_resumes_from_its_finished_batches(smoke_head, tmp_path, monkeypatch):
     target, head, _ = smoke_head
     bench = tmp_path / "bench.jsonl"
-    bench.write_text("".join(json.dumps({"turns": [f"Question {i}", "And then?"]}) + "\n" for i in range(3)))
+    bench.write_text("".join(json.dumps({"turns": [f"Question {i}", "And then?"]}) + "\n" for i in range(4)))  # row 2: test
     cfg = RunConfig()
     cfg.wandb.mode = "disabled"
     ev = cfg.eval  # 3 items x 2 turns, one per batch: 6 batches of 3 drafters each

@@ -1,8 +1,11 @@
 """Benchmark prompts: the packaged Spec-Bench questions, any jsonl with `turns`, `prompt` or `messages`,
 or a column of a local HF dataset (`hf:<name or dir>:<split>:<column>`).
 
-An item is the list of its user turns. The evaluated slice is `limit` items spread evenly over the
-file (Spec-Bench groups rows by category); `held_out_prompts` gives rows outside that slice, for the
+An item is the list of its user turns. Every benchmark is split once, here: rows 2, 7, 12, ... (every
+fifth) are the frozen **test** split, which headline numbers come from and no choice of a default ever reads;
+the rest are **dev**, where defaults are chosen. The evaluated slice is `limit` items spread evenly over the
+file (Spec-Bench groups rows by category), a dev pick that falls on a test row moving to the row after it, or
+spread over the test rows for `split="test"`; `held_out_prompts` gives dev rows outside that slice, for the
 in-training evaluation, so a head is never chosen on the prompts it is finally scored on.
 """
 
@@ -84,25 +87,45 @@ def load_items(bench: str) -> list[list[str]]:
     return _load(bench)[0]
 
 
-def evaluated_indices(num_items: int, limit: int) -> list[int]:
-    stride = max(1, num_items // limit)
-    return list(range(0, num_items, stride))[:limit]
+SPLITS = ("dev", "test")
+TEST_EVERY, TEST_OFFSET = 5, 2  # the test split: rows i with i % 5 == 2
 
 
-def load_prompts(bench: str, limit: int, max_turns: int = 1) -> tuple[list[list[str]], list[str | None]]:
-    """`limit` items spread evenly over the benchmark, each cut to its first `max_turns` turns, and their
-    categories (Spec-Bench's task: writing, translation, summarization, ...; None where a row has none)."""
+def is_test_row(i: int) -> bool:
+    return i % TEST_EVERY == TEST_OFFSET
+
+
+def spread(rows: list[int], limit: int) -> list[int]:
+    stride = max(1, len(rows) // limit)
+    return rows[::stride][:limit]
+
+
+def evaluated_indices(num_items: int, limit: int, split: str = "dev") -> list[int]:
+    """The `limit` rows a `split` evaluation reads (see the module docstring)."""
+    rows = [i for i in range(num_items) if is_test_row(i) == (split == "test")]
+    if split == "test" or num_items // limit < 2:  # a moved dev pick could land on the next one: spread dev rows
+        return spread(rows, limit)
+    picked = [i + 1 if is_test_row(i) else i for i in spread(list(range(num_items)), limit)]
+    return [i for i in picked if i < num_items]
+
+
+def load_prompts(bench: str, limit: int, max_turns: int = 1,
+                 split: str = "dev") -> tuple[list[list[str]], list[str | None]]:
+    """`limit` items of `split` spread evenly over the benchmark, each cut to its first `max_turns` turns, and
+    their categories (Spec-Bench's task: writing, translation, summarization, ...; None where a row has none)."""
+    if split not in SPLITS:
+        raise BenchError(f"config field `eval.split`: {split!r}, expected one of {list(SPLITS)}")
     items, categories = _load(bench)
-    picked = evaluated_indices(len(items), limit)
+    picked = evaluated_indices(len(items), limit, split)
     return [items[i][:max_turns] for i in picked], [categories[i] for i in picked]
 
 
 def held_out_prompts(bench: str, limit: int, count: int) -> list[str]:
-    """`count` first turns from rows NOT in the `limit`-item evaluated slice, spread over the file."""
+    """`count` first turns from dev rows NOT in the `limit`-item evaluated slice, spread over the file."""
     items = load_items(bench)
     evaluated = set(evaluated_indices(len(items), limit))
-    rest = [i for i in range(len(items)) if i not in evaluated]
-    return [items[rest[i]][0] for i in evaluated_indices(len(rest), count)] if rest else []
+    rest = [i for i in range(len(items)) if i not in evaluated and not is_test_row(i)]
+    return [items[i][0] for i in spread(rest, count)]
 
 
 def conversation_ids(tokenizer, turns: list[str], answers: list[str]) -> list[int]:

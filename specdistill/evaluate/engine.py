@@ -105,7 +105,7 @@ def tau_z(a: dict, b: dict) -> float:
 def our_chain(target: Target, head, ev: EvalConfig, k: int) -> tuple[list[list[int]], list[list[int]], list[int]]:
     """Our chain of `k` over the benchmark: prompt ids (later turns follow our greedy answers), outputs, and
     accepted drafts per round."""
-    items, _ = load_prompts(ev.bench, ev.limit, ev.max_turns)
+    items, _ = load_prompts(ev.bench, ev.limit, ev.max_turns, ev.split)
     runner, proposer = TargetRunner(target), HeadProposer(head, target.vocab_size, "chain", k)
     prompts, outputs, rounds, answers = [], [], [], [[] for _ in items]
     bar = tqdm(total=sum(len(it) for it in items), desc=f"our chain of {k}", unit="prompt")
@@ -237,7 +237,7 @@ def engine_evaluation(ec: EngineConfig, ev: EvalConfig, target: Target, head, ex
     plain_tokens = sum(len(o) for o in plain["outputs"])
     report = {
         "engine": ec.name, "version": plain["version"], "dtype": ec.dtype, "num_speculative_tokens": k,
-        "bench": ev.bench, "num_prompts": len(prompts), "max_new_tokens": ev.max_new_tokens,
+        "bench": ev.bench, "split": ev.split, "num_prompts": len(prompts), "max_new_tokens": ev.max_new_tokens,
         "max_num_seqs": ec.max_num_seqs, "target_dir": str(target_dir), "ours": ours,
         "plain": {"wall_s": plain["wall_s"], "load_s": plain["load_s"], "new_tokens": plain_tokens,
                   "tokens_per_s": plain_tokens / plain["wall_s"] if plain["wall_s"] else 0.0,

@@ -241,7 +241,7 @@ def evaluate(cfg: RunConfig, target: Target, head, out_dir: Path, head_path: str
     kernels.set_backend(ev.kernels)
     device = next(target.model.parameters()).device
     head = head.to(device=device, dtype=target.model.dtype).eval()
-    items, categories = load_prompts(ev.bench, ev.limit, ev.max_turns)
+    items, categories = load_prompts(ev.bench, ev.limit, ev.max_turns, ev.split)
     runner, sampling = TargetRunner(target), Sampling(ev.temperature, ev.top_k, ev.top_p)
     proposers = drafters(head, target, ev)
     tallies = {name: Tally(depth) for name, (_, depth) in proposers.items()}
@@ -284,6 +284,7 @@ def evaluate(cfg: RunConfig, target: Target, head, out_dir: Path, head_path: str
         "temperature": ev.temperature,
         "num_prompts": len(rows),
         "bench": ev.bench,
+        "split": ev.split,
         "batch_size": ev.batch_size,
         "max_new_tokens": ev.max_new_tokens,
         "target": target.name,
