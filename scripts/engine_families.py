@@ -39,10 +39,16 @@ def check(family: str, out: Path) -> str:
     if proc.returncode != 0 or not report.exists():
         return f"| {family} | - | - | - | - | {first_error(proc.stdout + proc.stderr)} |"
     r = json.loads(report.read_text())
-    cells = [f"{m['tau']:.3f} ({'equal' if m['counters_equal_ours'] else 'differ'})" for m in r["layouts"].values()]
-    lossless = " / ".join(f"{m['outputs_equal_plain']}/{r['num_prompts']}" for m in r["layouts"].values())
+    layouts = r["layouts"]
+    failed = [first_error((report.parent / "engine" / f"{name}.log").read_text(errors="replace"))
+              for name, m in layouts.items() if m.get("failed")]
+    cells = ["failed" if m.get("failed") else f"{m['tau']:.3f} ({'equal' if m['counters_equal_ours'] else 'differ'})"
+             for m in layouts.values()]
+    lossless = " / ".join("-" if m.get("failed") else f"{m['outputs_equal_plain']}/{r['num_prompts']}"
+                          for m in layouts.values())
+    warned = any(m.get("weight_warnings") for m in layouts.values())
     return (f"| {family} | {r['ours']['tau']:.3f} | {' / '.join(cells)} | {lossless} | "
-            f"{'none' if not any(m['weight_warnings'] for m in r['layouts'].values()) else 'some'} | ok |")
+            f"{'some' if warned else 'none'} | {failed[0] if failed else 'ok'} |")
 
 
 def main() -> None:

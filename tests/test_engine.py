@@ -26,6 +26,7 @@ from specdistill.evaluate.engine import (
     engine_evaluation,
     served_exports,
 )
+from specdistill.evaluate.report import engine_markdown
 from specdistill.export import common, export_eagle3
 from specdistill.heads import load_head, trained_head_dir
 from specdistill.target import load_target, served_dir
@@ -91,6 +92,21 @@ def test_tau_z_is_the_difference_in_standard_errors():
     more = chain_counters([1, 3, 1, 2] * 25, 3)  # mean 1.75, variance 0.6875
     assert engine.tau_z(more, ours) == pytest.approx(0.25 / ((0.6875 + 1.25) / 100) ** 0.5)
     assert engine.tau_z(ours, more) == pytest.approx(-engine.tau_z(more, ours))
+
+
+def test_a_layout_the_engine_failed_on_is_reported_beside_the_others():
+    ours = dict(chain_counters([0, 3, 1, 2], 3), drafter="chain of 3", tau=2.5)
+    ran = compare(ours, served([[1]], dict(ours)), served([[1]], {}), [[1]], "float32")
+    report = {"engine": "vllm", "version": "0.32.0", "dtype": "float32", "num_speculative_tokens": 3,
+              "num_prompts": 1, "ours": ours,
+              "layouts": {"vllm": {"layout": "vllm", **ran},
+                          "speculators": {"layout": "speculators", "failed": True,
+                                          "finding": "vllm failed serving this export: RuntimeError: out of bounds"}}}
+    digest = engine.engine_digest(report)
+    assert "speculators FAILED" in digest["line"] and "vllm 2.500" in digest["line"]
+    table = "\n".join(engine_markdown(digest))
+    assert "| speculators | failed |" in table and "**vllm failed serving this export" in table
+    assert "| vllm | 2.500 | 2.500 | 1.000x |" in table
 
 
 def test_only_weight_problems_count_as_weight_warnings():
@@ -189,13 +205,13 @@ def test_a_faulty_export_makes_the_engine_disagree_or_fail(embedded_run, tmp_pat
         shutil.copy(cached, out / "engine" / cached.name)
     target_cfg = TargetConfig()
     head = engine.rounded(load_head(trained_head_dir(run_dir)), "bfloat16")
-    try:
-        report = engine_evaluation(EngineConfig(name="vllm"), EvalConfig(limit=4, max_new_tokens=48),
-                                   load_target(target_cfg), head, {fault: export}, served_dir(target_cfg), out)
-    except engine.EngineError as err:  # ids past the vocabulary: vLLM stops, which is caught as loudly
-        assert fault == "d2t_as_absolute_ids" and "out of bounds" in str(err), err
-        return
+    report = engine_evaluation(EngineConfig(name="vllm"), EvalConfig(limit=4, max_new_tokens=48),
+                               load_target(target_cfg), head, {fault: export}, served_dir(target_cfg), out)
     m = report["layouts"][fault]
+    if m.get("failed"):  # ids past the vocabulary: vLLM stops, and that is the finding
+        assert fault == "d2t_as_absolute_ids" and "out of bounds" in m["finding"], m["finding"]
+        assert "FAILED" in engine.engine_summary_line(report)
+        return
     assert not m["counters_equal_ours"] and "differ from ours in float32" in m["finding"], fault
     assert m["accepted"] < report["ours"]["accepted"], fault
 

@@ -247,8 +247,12 @@ def engine_evaluation(ec: EngineConfig, ev: EvalConfig, target: Target, head, ex
     for name, directory in exports.items():
         layout = detect_layout(read_config(directory))
         log.info("%s: the %s export %s drafting %d tokens", ec.name, layout, directory, k)
-        served = run_worker(ec.name, python, {**request, "draft": str(directory), "layout": layout}, work, name)
-        entry = compare(ours, served, plain, our_outputs, ec.dtype)
+        try:
+            served = run_worker(ec.name, python, {**request, "draft": str(directory), "layout": layout}, work, name)
+            entry = compare(ours, served, plain, our_outputs, ec.dtype)
+        except EngineError as err:  # the other layouts still run; the failure is the finding
+            first, *_, last = str(err).splitlines() or [""]
+            entry = {"failed": True, "finding": f"{ec.name} failed serving this export: {last.strip()} ({first})"}
         report["layouts"][name] = {"layout": layout, "dir": str(directory), **entry}
         if entry["finding"]:
             log.warning("FINDING (%s, %s): %s", ec.name, name, entry["finding"])
@@ -260,7 +264,8 @@ def engine_evaluation(ec: EngineConfig, ev: EvalConfig, target: Target, head, ex
 def engine_summary_line(report: dict) -> str:
     """One line per layout: engine tau beside ours, their ratio, and the lossless count."""
     ours = report["ours"]
-    parts = [f"{layout} {m['tau']:.3f} ({m['tau_ratio_to_ours']:.3f}x ours, outputs equal plain "
+    parts = [f"{layout} FAILED (see engine.json)" if m.get("failed") else
+             f"{layout} {m['tau']:.3f} ({m['tau_ratio_to_ours']:.3f}x ours, outputs equal plain "
              f"{m['outputs_equal_plain']}/{report['num_prompts']}{', ' + m['finding'] if m['finding'] else ''})"
              for layout, m in report["layouts"].items()]
     return (f"{report['engine']} {report['version']} tau ({report['dtype']}, {report['num_speculative_tokens']} "
@@ -300,8 +305,8 @@ def engine_digest(report: dict) -> dict:
     return {"engine": report["engine"], "version": report["version"], "dtype": report["dtype"],
             "num_speculative_tokens": report["num_speculative_tokens"], "ours_chain_tau": report["ours"]["tau"],
             "ours_accepted_per_pos": report["ours"]["accepted_per_pos"],
-            "layouts": {layout: {key: m[key] for key in ("tau", "tau_ratio_to_ours", "counters_equal_ours",
-                                                         "accepted_per_pos", "outputs_equal_plain", "finding")}
+            "layouts": {layout: {key: m.get(key) for key in ("tau", "tau_ratio_to_ours", "counters_equal_ours",
+                                                             "accepted_per_pos", "outputs_equal_plain", "finding")}
                         for layout, m in report["layouts"].items()},
             "line": engine_summary_line(report)}
 

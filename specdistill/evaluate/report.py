@@ -66,7 +66,9 @@ def engine_markdown(e: dict) -> list[str]:
              "speculative tokens)", "", "| layout | engine tau | our chain's tau | engine / ours | accepted per position, "
              "engine / ours | counters equal | outputs equal the engine's plain greedy | finding |",
              "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {layout} | {m['tau']:.3f} | {e['ours_chain_tau']:.3f} | {m['tau_ratio_to_ours']:.3f}x "
+    lines += [f"| {layout} | failed | {e['ours_chain_tau']:.3f} | - | - | - | - | **{m['finding']}** |"
+              if m["tau"] is None else
+              f"| {layout} | {m['tau']:.3f} | {e['ours_chain_tau']:.3f} | {m['tau_ratio_to_ours']:.3f}x "
               f"| {m['accepted_per_pos']} / {e['ours_accepted_per_pos']} "
               f"| {'yes' if m['counters_equal_ours'] else '**no**'} | {m['outputs_equal_plain']} "
               f"| {('**' + m['finding'] + '**') if m['finding'] else '-'} |" for layout, m in e["layouts"].items()]
