@@ -94,6 +94,16 @@ def test_tau_z_is_the_difference_in_standard_errors():
     assert engine.tau_z(ours, more) == pytest.approx(-engine.tau_z(more, ours))
 
 
+def test_the_root_cause_is_the_first_exception_line_of_the_log_tail():
+    message = ("vllm (d2t, python) exited with code 1; its log is d2t.log, ending:\n  File \"x.py\", line 3\n"
+               "ERROR [core.py:1] RuntimeError: Worker failed with error 'index 49152 is out of bounds'\n"
+               "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.\n"
+               "INFO [utils.py:628] [shutdown] Process manager: send sigterm to process EngineCore")
+    cause = engine.root_cause(message)
+    assert cause.startswith("ERROR [core.py:1] RuntimeError: Worker failed") and "its log is d2t.log" in cause
+    assert engine.root_cause("vllm exited with code 1; ending:\nKilled").startswith("Killed")
+
+
 def test_a_layout_the_engine_failed_on_is_reported_beside_the_others():
     ours = dict(chain_counters([0, 3, 1, 2], 3), drafter="chain of 3", tau=2.5)
     ran = compare(ours, served([[1]], dict(ours)), served([[1]], {}), [[1]], "float32")

@@ -48,6 +48,7 @@ WEIGHT_PROBLEM = re.compile(r"missing (keys?|weights?|parameters?)|unexpected (k
 # outcomes within a prompt are correlated, so the plain standard error is an underestimate: hence 3, not 2.
 # Measured spread in docs/results.md ("vLLM in the loop").
 BF16_Z_LIMIT = 3.0
+EXCEPTION_LINE = re.compile(r"\b\w*(Error|Exception): ")
 NEAR_TIE_SHARE = 0.01  # float32: at most this share of drafts scored differently, and tau within it, is a near-tie
 
 
@@ -159,6 +160,13 @@ def run_worker(engine: str, python: str, request: dict, work: Path, run_name: st
     return result
 
 
+def root_cause(message: str) -> str:
+    """The first exception line of an EngineError's log tail (later ones wrap it), and the error's first line."""
+    first, *tail = message.splitlines() or [""]
+    cause = next((line.strip() for line in tail if EXCEPTION_LINE.search(line)), tail[-1].strip() if tail else "")
+    return f"{cause} ({first})"
+
+
 def compare(ours: dict, served: dict, plain: dict, our_outputs: list[list[int]], dtype: str) -> dict:
     """One layout's engine run beside ours: counters, tau ratio, lossless check, speed, and any finding."""
     counters = served["counters"]
@@ -251,8 +259,7 @@ def engine_evaluation(ec: EngineConfig, ev: EvalConfig, target: Target, head, ex
             served = run_worker(ec.name, python, {**request, "draft": str(directory), "layout": layout}, work, name)
             entry = compare(ours, served, plain, our_outputs, ec.dtype)
         except EngineError as err:  # the other layouts still run; the failure is the finding
-            first, *_, last = str(err).splitlines() or [""]
-            entry = {"failed": True, "finding": f"{ec.name} failed serving this export: {last.strip()} ({first})"}
+            entry = {"failed": True, "finding": f"{ec.name} failed serving this export: {root_cause(str(err))}"}
         report["layouts"][name] = {"layout": layout, "dir": str(directory), **entry}
         if entry["finding"]:
             log.warning("FINDING (%s, %s): %s", ec.name, name, entry["finding"])
