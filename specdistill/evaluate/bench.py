@@ -11,6 +11,7 @@ in-training evaluation, so a head is never chosen on the prompts it is finally s
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 from specdistill.io import read_jsonl
@@ -126,6 +127,14 @@ def held_out_prompts(bench: str, limit: int, count: int) -> list[str]:
     evaluated = set(evaluated_indices(len(items), limit))
     rest = [i for i in range(len(items)) if i not in evaluated and not is_test_row(i)]
     return [items[i][0] for i in spread(rest, count)]
+
+
+def turn_batches(items: list[list[str]], batch_size: int) -> Iterator[tuple[int, list[int]]]:
+    """(turn, item indices) in batches, turn by turn: an item's later turn is asked after its earlier answer."""
+    for turn in range(max(len(it) for it in items)):
+        todo = [i for i, it in enumerate(items) if len(it) > turn]
+        for start in range(0, len(todo), batch_size):
+            yield turn, todo[start : start + batch_size]
 
 
 def conversation_ids(tokenizer, turns: list[str], answers: list[str]) -> list[int]:

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from specdistill.cache import ResultCache, content_key
 from specdistill.config import ENGINE_LAYOUTS, EngineConfig, EvalConfig, RunConfig
-from specdistill.evaluate.bench import conversation_ids, load_prompts
+from specdistill.evaluate.bench import conversation_ids, load_prompts, turn_batches
 from specdistill.export import export_eagle3
 from specdistill.export.common import CONFIG_FILE, DTYPES, WEIGHTS_FILE, read_config
 from specdistill.export.reader import detect_layout
@@ -110,19 +110,16 @@ def our_chain(target: Target, head, ev: EvalConfig, k: int) -> tuple[list[list[i
     runner, proposer = TargetRunner(target), HeadProposer(head, target.vocab_size, "chain", k)
     prompts, outputs, rounds, answers = [], [], [], [[] for _ in items]
     bar = tqdm(total=sum(len(it) for it in items), desc=f"our chain of {k}", unit="prompt")
-    for turn in range(max(len(it) for it in items)):
-        todo = [i for i, it in enumerate(items) if len(it) > turn]
-        for start in range(0, len(todo), ev.batch_size):
-            chunk = todo[start : start + ev.batch_size]
-            ids = [conversation_ids(target.tokenizer, items[i][: turn + 1], answers[i]) for i in chunk]
-            stats = speculative_generate(runner, proposer, ids, ev.max_new_tokens, target.eos_ids, GREEDY, None,
-                                         target.tokenizer.pad_token_id)
-            for i, tokens in zip(chunk, stats.tokens):
-                answers[i].append(target.tokenizer.decode(tokens, skip_special_tokens=True))
-            prompts += ids
-            outputs += stats.tokens
-            rounds += [a for row in stats.accepted for a in row]
-            bar.update(len(chunk))
+    for turn, chunk in turn_batches(items, ev.batch_size):
+        ids = [conversation_ids(target.tokenizer, items[i][: turn + 1], answers[i]) for i in chunk]
+        stats = speculative_generate(runner, proposer, ids, ev.max_new_tokens, target.eos_ids, GREEDY, None,
+                                     target.tokenizer.pad_token_id)
+        for i, tokens in zip(chunk, stats.tokens):
+            answers[i].append(target.tokenizer.decode(tokens, skip_special_tokens=True))
+        prompts += ids
+        outputs += stats.tokens
+        rounds += [a for row in stats.accepted for a in row]
+        bar.update(len(chunk))
     bar.close()
     return prompts, outputs, rounds
 
@@ -172,15 +169,13 @@ def compare(ours: dict, served: dict, plain: dict, our_outputs: list[list[int]],
     counters = served["counters"]
     new_tokens = sum(len(o) for o in served["outputs"])
     mismatched = [i for i, (a, b) in enumerate(zip(served["outputs"], plain["outputs"])) if a != b]
-    ratio = tau_of(counters) / tau_of(ours)
-    same = all(counters[key] == ours[key] for key in ("drafts", "accepted", "accepted_per_pos"))
-    return {
+    entry = {
         **counters,
         "tau": tau_of(counters),
         "acceptance_per_pos": [a / counters["drafts"] if counters["drafts"] else 0.0
                                for a in counters["accepted_per_pos"]],
-        "counters_equal_ours": same,
-        "tau_ratio_to_ours": ratio,
+        "counters_equal_ours": all(counters[key] == ours[key] for key in ("drafts", "accepted", "accepted_per_pos")),
+        "tau_ratio_to_ours": tau_of(counters) / tau_of(ours),
         "tau_z_to_ours": tau_z(counters, ours),
         "outputs_equal_plain": len(served["outputs"]) - len(mismatched),
         "mismatched_prompts": mismatched,
@@ -191,35 +186,34 @@ def compare(ours: dict, served: dict, plain: dict, our_outputs: list[list[int]],
         "tokens_per_s": new_tokens / served["wall_s"] if served["wall_s"] else 0.0,
         "speedup_vs_plain": plain["wall_s"] / served["wall_s"] if served["wall_s"] else 0.0,
         "weight_warnings": served["weight_warnings"],
-        "finding": finding_of(ours, counters, plain, our_outputs, served["weight_warnings"], dtype),
     }
+    return {**entry, "finding": finding_of(entry, ours, plain, our_outputs, dtype)}
 
 
-def finding_of(ours: dict, counters: dict, plain: dict, our_outputs: list, warnings: list, dtype: str) -> str | None:
+def finding_of(entry: dict, ours: dict, plain: dict, our_outputs: list, dtype: str) -> str | None:
     """Why the engine's count is not ours, in words, or None. The cause is named where the numbers tell it: in
     float32 a target that decodes differently makes the counts incomparable, a few drafts scored differently fit
     near-ties between two kernels' rounding, a shifted tau an export read wrongly; in bfloat16 the decodes part
     ways by rounding, and the check is statistical."""
     findings = []
-    same = all(counters[key] == ours[key] for key in ("drafts", "accepted", "accepted_per_pos"))
-    ratio = tau_of(counters) / tau_of(ours)
-    moved = sum(abs(a - b) for a, b in zip(counters["accepted_per_pos"], ours["accepted_per_pos"]))
+    ratio, z = entry["tau_ratio_to_ours"], entry["tau_z_to_ours"]
+    moved = sum(abs(a - b) for a, b in zip(entry["accepted_per_pos"], ours["accepted_per_pos"]))
     if dtype == "float32" and plain["outputs"] != our_outputs:
         differ = sum(a != b for a, b in zip(plain["outputs"], our_outputs))
         findings.append(f"the target itself decodes differently in the engine ({differ}/{len(our_outputs)} plain "
                         "greedy outputs differ from ours), so its counts cannot be compared with ours")
-    elif dtype == "float32" and not same:
+    elif dtype == "float32" and not entry["counters_equal_ours"]:
         cause = (f"{moved} per-position counts of {ours['drafts']} drafts moved, tau within {abs(ratio - 1):.2%}: "
                  "fits argmax near-ties rounded differently by the engine's kernels and torch's"
                  if abs(ratio - 1) <= NEAR_TIE_SHARE and moved <= NEAR_TIE_SHARE * ours["drafts"] else
                  "the export is read differently from how it was trained")
-        findings.append(f"the engine's counters differ from ours in float32 (engine tau {tau_of(counters):.3f}, "
-                        f"ours {tau_of(ours):.3f}; per position {counters['accepted_per_pos']} vs "
+        findings.append(f"the engine's counters differ from ours in float32 (engine tau {entry['tau']:.3f}, "
+                        f"ours {tau_of(ours):.3f}; per position {entry['accepted_per_pos']} vs "
                         f"{ours['accepted_per_pos']}): {cause}")
-    elif not same and abs(z := tau_z(counters, ours)) > BF16_Z_LIMIT:
+    elif not entry["counters_equal_ours"] and abs(z) > BF16_Z_LIMIT:
         findings.append(f"engine tau / ours = {ratio:.3f}, {z:+.1f} standard errors apart: beyond {dtype} "
                         f"sampling noise (limit {BF16_Z_LIMIT:g})")
-    if warnings:
+    if entry["weight_warnings"]:
         findings.append("the engine reported weights it did not load")
     return "; ".join(findings) or None
 

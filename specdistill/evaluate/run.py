@@ -26,7 +26,7 @@ from specdistill.cache import ResultCache, content_key
 from specdistill.config import EvalConfig, RunConfig
 from specdistill.evaluate import metrics
 from specdistill.evaluate.advice import advise, head_cost, target_cost
-from specdistill.evaluate.bench import conversation_ids, load_prompts
+from specdistill.evaluate.bench import conversation_ids, load_prompts, turn_batches
 from specdistill.evaluate.engine import engine_digest, evaluate_in_engine
 from specdistill.evaluate.report import write_report
 from specdistill.heads import HEAD_CONFIG, check_head_fits_target, load_head, trained_head_dir
@@ -250,32 +250,29 @@ def evaluate(cfg: RunConfig, target: Target, head, out_dir: Path, head_path: str
     done = ResultCache(out_dir / PARTIAL, stem="batches")
     key, resumed = evaluation_fingerprint(cfg, target, head), 0
     bar = tqdm(total=sum(len(it) for it in items), desc=f"evaluate {ev.bench}", unit="prompt")
-    for turn in range(max(len(it) for it in items)):
-        todo = [i for i, it in enumerate(items) if len(it) > turn]
-        for start in range(0, len(todo), ev.batch_size):
-            chunk = todo[start : start + ev.batch_size]
-            ids = [conversation_ids(target.tokenizer, items[i][: turn + 1], answers[i]) for i in chunk]
-            key = content_key(key, turn, [items[i][: turn + 1] for i in chunk])  # chained: the batches before too
-            record = done.get(key)
-            if record is None:
-                record = decode_batch(target, runner, proposers, ids, ev, sampling, generators)
-                done.put(key, record)
-            else:
-                resumed += 1
-                restore_states(generators, record["generators"])
-            reference = record["plain"]["tokens"]
-            plain_s += record["plain"]["seconds"]
-            outputs = {name: generation_stats(r) for name, r in record["drafters"].items()}
-            for name, stats in outputs.items():
-                tallies[name].add(stats, record["drafters"][name]["seconds"], reference, ids,
-                                  [categories[i] for i in chunk])
-            main = outputs[MAIN]
-            for j, i in enumerate(chunk):
-                answers[i].append(target.tokenizer.decode(reference[j], skip_special_tokens=True))
-                rows.append({"item": i, "turn": turn, "prompt": items[i][turn], "prompt_ids": ids[j],
-                             "output_ids": main.tokens[j], "plain_output_ids": reference[j],
-                             "accepted_per_round": main.accepted[j], "matches_plain": main.tokens[j] == reference[j]})
-            bar.update(len(chunk))
+    for turn, chunk in turn_batches(items, ev.batch_size):
+        ids = [conversation_ids(target.tokenizer, items[i][: turn + 1], answers[i]) for i in chunk]
+        key = content_key(key, turn, [items[i][: turn + 1] for i in chunk])  # chained: the batches before too
+        record = done.get(key)
+        if record is None:
+            record = decode_batch(target, runner, proposers, ids, ev, sampling, generators)
+            done.put(key, record)
+        else:
+            resumed += 1
+            restore_states(generators, record["generators"])
+        reference = record["plain"]["tokens"]
+        plain_s += record["plain"]["seconds"]
+        outputs = {name: generation_stats(r) for name, r in record["drafters"].items()}
+        for name, stats in outputs.items():
+            tallies[name].add(stats, record["drafters"][name]["seconds"], reference, ids,
+                              [categories[i] for i in chunk])
+        main = outputs[MAIN]
+        for j, i in enumerate(chunk):
+            answers[i].append(target.tokenizer.decode(reference[j], skip_special_tokens=True))
+            rows.append({"item": i, "turn": turn, "prompt": items[i][turn], "prompt_ids": ids[j],
+                         "output_ids": main.tokens[j], "plain_output_ids": reference[j],
+                         "accepted_per_round": main.accepted[j], "matches_plain": main.tokens[j] == reference[j]})
+        bar.update(len(chunk))
     bar.close()
     greedy = ev.temperature == 0
     report = {
