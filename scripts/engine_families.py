@@ -15,7 +15,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from specdistill.io import atomic_path
+from specdistill.io import write_table
 from specdistill.target import RANDOM_FAMILIES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,10 +59,8 @@ def main() -> None:
     rows = ["| family | our chain tau | vLLM tau, vllm / speculators layout (counters vs ours) | outputs equal plain "
             "| weight warnings | result |", "|---|---|---|---|---|---|"]
     rows += [check(family, out) for family in tqdm(families, desc="families", unit="family")]
-    with atomic_path(out / "families.md") as tmp:
-        tmp.write_text("\n".join(rows) + "\n")
-    print("\n".join(rows))
-    print(f"table: {out / 'families.md'}; each family's log beside it")
+    write_table(out / "families.md", rows)
+    print(f"each family's log: {out}/<family>.log")
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ class RandomTargetConfig:
     num_key_value_heads: int = 1
     max_position_embeddings: int = 2048
     seed: int = 0
-    family: str = "llama"  # llama | mistral | qwen2 | qwen3 | qwen3_moe | gemma3 | phi3 | gpt_oss
+    family: str = "llama"  # llama | mistral | qwen2 | qwen3 | qwen3_moe | gemma3 | phi3 | gpt_oss | glm4_moe | deepseek_v3
 
 
 @dataclass
@@ -109,7 +109,7 @@ class GenerationConfig:
     top_p: float = 1.0
     max_new_tokens: int = 192
     batch_size: int = 32
-    dtype: str = "auto"  # no exactness needed: auto is bf16 where it is native (~3x faster), else float32
+    dtype: str = "auto"  # no exactness needed: auto is bf16 where it is native (faster: benchmarks/prepare.py), else float32
     server_url: str | None = None
     server_model: str | None = None
     concurrency: int = 8
@@ -152,7 +152,7 @@ class CaptureConfig:
 
 @dataclass
 class HeadConfig:
-    kind: str = "eagle3"  # eagle3 | mtp
+    kind: str = "eagle3"  # eagle3 | mtp (the target's own MTP module where its config declares one: conf/head/mtp.yaml)
     hidden_size: int | None = None  # None: the target's
     intermediate_size: int | None = None
     num_attention_heads: int | None = None
@@ -250,7 +250,7 @@ class EvalConfig:
 
 @dataclass
 class ExportConfig:
-    formats: list[str] = field(default_factory=lambda: ["sglang", "vllm"])
+    formats: list[str] | None = None  # null: the layouts that fit the head (EAGLE-3: sglang, vllm; native MTP: native_mtp)
     dtype: str = "bfloat16"
     speculative_tokens: int | None = None  # speculators layout: vLLM's default chain; null: the serving advice's, else 3
 
@@ -452,14 +452,15 @@ def validate(cfg: RunConfig) -> None:
         _check(len(engine.layouts) > 0, "eval.engine.layouts", "is empty; name at least one export layout")
         for layout in engine.layouts:
             _choice(layout, ENGINE_LAYOUTS[engine.name], "eval.engine.layouts")
-        _check(cfg.head.kind == "eagle3", "eval.engine.name", "serves EAGLE-3 heads; no engine serves this MTP head")
     _at_least(engine.num_speculative_tokens, 1, "eval.engine.num_speculative_tokens")
     _choice(engine.dtype, ("float32", "bfloat16"), "eval.engine.dtype")
     _at_least(engine.max_num_seqs, 1, "eval.engine.max_num_seqs")
-    _check(len(cfg.export.formats) > 0 or "export" not in cfg.stages, "export.formats",
-           "is empty while stages include export; name at least one format or drop export from stages")
-    for fmt in cfg.export.formats:
-        _choice(fmt, ("sglang", "vllm", "speculators", "trtllm", "deepseek_mtp", "qwen3_next_mtp"), "export.formats")
+    formats = cfg.export.formats
+    _check(formats is None or len(formats) > 0 or "export" not in cfg.stages, "export.formats",
+           "is empty while stages include export; name at least one format, null for those that fit the head, "
+           "or drop export from stages")
+    for fmt in formats or []:
+        _choice(fmt, ("sglang", "vllm", "speculators", "trtllm", "native_mtp"), "export.formats")
     _choice(cfg.export.dtype, ("bfloat16", "float16", "float32"), "export.dtype")
     _at_least(cfg.export.speculative_tokens, 1, "export.speculative_tokens", optional=True)
     _choice(cfg.wandb.mode, ("online", "offline", "disabled"), "wandb.mode")

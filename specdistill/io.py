@@ -48,6 +48,14 @@ def write_json(path: str | os.PathLike, obj) -> None:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
+def write_table(path: str | os.PathLike, rows: list[str]) -> None:
+    """A markdown table (or any lines) written atomically, then printed with where it went: the scripts' results."""
+    with atomic_path(path) as tmp:
+        tmp.write_text("\n".join(rows) + "\n")
+    print("\n".join(rows))
+    print(f"table: {path}")
+
+
 def write_jsonl(path: str | os.PathLike, rows) -> None:
     with atomic_path(path) as tmp, open(tmp, "w") as f:
         for row in rows:

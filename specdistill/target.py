@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import hashlib
 import importlib.metadata
 import inspect
 import json
@@ -38,9 +39,8 @@ CHATML_TEMPLATE = (
 
 
 def bf16_is_native(device: torch.device | str) -> bool:
-    """bf16 multiplies at least as fast as fp32 here: on a GPU, and on a CPU with AVX512 (oneDNN's bf16 kernels; AMX
-    makes it ~4x fp32). An AVX2-only CPU emulates it: SmolLM2's `generate` at batch 64 ran 9 tokens/s in bf16
-    against 48 in fp32 on one."""
+    """bf16 multiplies at least as fast as fp32 here: on a GPU, and on a CPU with AVX512 (oneDNN's bf16 kernels). An AVX2-only
+    CPU emulates it and is slower in bf16 than in fp32 (docs/results.md, "Machines and timings")."""
     return torch.device(device).type == "cuda" or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
@@ -91,7 +91,7 @@ class Target:
 
 def computing_in(target: Target, dtype_name: str) -> Target:
     """The target computing in `dtype_name` (`auto`: bfloat16 where native): itself when it already does, else a
-    copy. Stages that need no fp32 exactness (regeneration, capture) run ~3x faster in native bf16 on a CPU."""
+    copy. Stages that need no fp32 exactness (regeneration, capture) run faster in native bf16 (benchmarks/prepare.py)."""
     weight = next(target.model.parameters())
     dtype = resolve_dtype(dtype_name, weight.device)
     if weight.dtype == dtype:
@@ -246,6 +246,19 @@ RANDOM_FAMILIES = {
     "gemma3": ("Gemma3TextConfig", {"sliding_window": 64, "query_pre_attn_scalar": 32}),
     "phi3": ("Phi3Config", {"pad_token_id": None}),
     "gpt_oss": ("GptOssConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 64}),
+    # with one MTP layer of their own (head.kind=mtp fine-tunes it); DeepSeek's MLA latent is 512 + 64 wide, the
+    # one width vLLM's CPU MLA kernel serves
+    "glm4_moe": ("Glm4MoeConfig", {"moe_intermediate_size": 64, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                                   "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1,
+                                   "num_nextn_predict_layers": 1}),
+    "deepseek_v3": ("DeepseekV3Config", {"moe_intermediate_size": 64, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                                         "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1,
+                                         "topk_group": 1, "q_lora_rank": 64, "kv_lora_rank": 512,
+                                         "qk_rope_head_dim": 64, "qk_nope_head_dim": 32, "v_head_dim": 32,
+                                         "head_dim": 64,  # transformers rotates the qk_rope_head_dim part
+                                         "num_attention_heads": 2, "num_key_value_heads": 2,  # MLA: one key per head
+                                         "topk_method": "noaux_tc", "scoring_func": "sigmoid",  # as released; vLLM reads them
+                                         "num_nextn_predict_layers": 1}),
 }
 
 
@@ -338,7 +351,8 @@ def served_dir(cfg: TargetConfig) -> Path:
     if cfg.name != RANDOM_TARGET:
         return Path(resolve_source(cfg))
     numbers = dataclasses.asdict(cfg.random)
-    out = cache_root() / ("random-" + "-".join(f"{v}" for v in numbers.values()))
+    family = hashlib.sha1(repr(RANDOM_FAMILIES.get(cfg.random.family)).encode()).hexdigest()[:8]  # its settings too
+    out = cache_root() / ("random-" + "-".join(f"{v}" for v in numbers.values()) + f"-{family}")
     return out if (out / "config.json").exists() else save_hf_folder(*_random_model(cfg), out)
 
 
@@ -360,7 +374,7 @@ def _cache_keyword(model_class: type) -> str:
 
 
 def with_kv_cache(model: nn.Module, cache) -> dict:
-    """The keyword arguments that hand a transformers model its KV cache: 5.2x renamed `past_key_values`
+    """The keyword arguments that hand a transformers model its KV cache: transformers 5.2 renamed `past_key_values`
     to `cache` (5.40 drops the old name), and older releases know only the old one."""
     return {_cache_keyword(type(model)): cache, "use_cache": True}
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdistill.config import EngineConfig, EvalConfig, TargetConfig
+from specdistill.config import EngineConfig, EvalConfig, RandomTargetConfig, TargetConfig
 from specdistill.evaluate import engine
 from specdistill.evaluate.engine import (
     BF16_Z_LIMIT,
@@ -223,6 +223,8 @@ def test_a_faulty_export_makes_the_engine_disagree_or_fail(embedded_run, tmp_pat
         assert "FAILED" in engine.engine_summary_line(report)
         return
     assert not m["counters_equal_ours"] and "differ from ours in float32" in m["finding"], fault
+    moved = sum(abs(a - b) for a, b in zip(m["accepted_per_pos"], report["ours"]["accepted_per_pos"]))
+    assert moved > 2, (fault, m["accepted_per_pos"], report["ours"]["accepted_per_pos"])  # beyond any near-tie
     assert m["accepted"] < report["ours"]["accepted"], fault
 
 
@@ -258,3 +260,75 @@ def test_eval_engine_script_on_a_smoke_head(tmp_path, engine_ready):
     m = report["layouts"]["vllm"]
     assert m["counters_equal_ours"] and m["outputs_equal_plain"] == 2 and m["weight_warnings"] == []
     assert "vllm 0.32.0 tau" in proc.stdout
+
+
+# --- a target's own MTP module (GLM-4.5 family, tiny random) --------------------------------------------
+
+GLM = ["+exp=smoke", "head=mtp", "target.random.family=glm4_moe", "data.synth.num_conversations=128",
+       "data.synth.batch_size=64", "train.epochs=8", "train.lr=3e-3", "eval.limit=8", "eval.max_new_tokens=48",
+       "eval.engine.name=vllm", "eval.engine.dtype=float32", "target.random.max_position_embeddings=8192"]
+
+
+@pytest.fixture(scope="module")
+def glm_mtp_run(tmp_path_factory, engine_ready):
+    """A random GLM-4.5-family target whose own MTP layer the pipeline fine-tunes, then vLLM serves (method mtp)."""
+    root = tmp_path_factory.mktemp("mtp")
+    proc = subprocess.run([sys.executable, "train.py", *GLM, f"run_root={root}", "name=glm"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=1800, env=ENV)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return root / "glm"
+
+
+@pytest.mark.slow
+def test_vllm_serves_the_fine_tuned_mtp_layer_as_our_chain_counts(glm_mtp_run):
+    report = json.loads((glm_mtp_run / "eval" / "engine.json").read_text())
+    ours, n, m = report["ours"], report["num_prompts"], report["layouts"]["native_mtp"]
+    assert report["plain"]["outputs_equal_ours"] == n
+    assert ours["accepted"] > 0, "the module accepts nothing: the faults below could not change its counts"
+    assert m["layout"] == "native_mtp" and m["weight_warnings"] == [] and m["outputs_equal_plain"] == n
+    # count for count, but for what the report itself classes as argmax near-ties (here one draft of 309, in
+    # random weights whose top logits lie within 1e-3; the faults below move far more)
+    moved = sum(abs(a - b) for a, b in zip(m["accepted_per_pos"], ours["accepted_per_pos"]))
+    assert abs(m["drafts"] - ours["drafts"]) + moved <= 2, (m["accepted_per_pos"], ours["accepted_per_pos"])
+    assert m["counters_equal_ours"] or "near-ties" in m["finding"], m["finding"]
+    export = glm_mtp_run / "export" / "native_mtp"  # over the one-file target: its model.safetensors, MTP layer in
+    assert json.loads((export / common.CONFIG_FILE).read_text())["num_nextn_predict_layers"] == 1
+    assert "model.layers.8.eh_proj.weight" in load_file(str(export / common.WEIGHTS_FILE))
+
+
+def mtp_fault(model_dir: Path, out: Path, fault: str) -> Path:
+    """A copy of the served target + MTP layer with one fault in the loader's contract: `eh_proj` reading
+    cat(hidden, embedding) (the input order some checkpoints use, not GLM's), or the layer one index too far."""
+    shutil.copytree(model_dir, out, symlinks=False)
+    tensors = load_file(str(out / common.WEIGHTS_FILE))
+    if fault == "concat_order_swapped":
+        key = next(k for k in tensors if k.endswith(".eh_proj.weight"))
+        half = tensors[key].shape[1] // 2
+        tensors[key] = torch.cat([tensors[key][:, half:], tensors[key][:, :half]], 1).contiguous()
+    elif fault == "layer_index_off_by_one":
+        tensors = {k.replace("model.layers.8.", "model.layers.9."): v for k, v in tensors.items()}
+    save_file(tensors, str(out / common.WEIGHTS_FILE), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["concat_order_swapped", "layer_index_off_by_one"])
+def test_a_faulty_mtp_export_makes_the_engine_disagree_or_fail(glm_mtp_run, tmp_path, fault):
+    out = tmp_path / "out"
+    (out / "engine").mkdir(parents=True)
+    for cached in (glm_mtp_run / "eval" / "engine").glob("runs.*"):  # the plain engine run is reused from there
+        shutil.copy(cached, out / "engine" / cached.name)
+    target_cfg = TargetConfig(name="random", random=RandomTargetConfig(family="glm4_moe", max_position_embeddings=8192))
+    head = engine.rounded(load_head(trained_head_dir(glm_mtp_run)), "bfloat16")
+    served_model = mtp_fault(glm_mtp_run / "eval" / "engine" / "native_mtp", tmp_path / fault, fault)
+    report = engine_evaluation(EngineConfig(name="vllm"), EvalConfig(limit=8, max_new_tokens=48),
+                               load_target(target_cfg), head, {fault: served_model}, served_dir(target_cfg), out)
+    m = report["layouts"][fault]
+    if m.get("failed"):  # the layer where the engine does not look: vLLM refuses to start without it
+        assert fault == "layer_index_off_by_one" and ("missing" in m["finding"] or "layers.9" in m["finding"]), m
+
+        return
+    assert m["outputs_equal_plain"] == report["num_prompts"]  # lossless either way: only acceptance moves
+    assert not m["counters_equal_ours"] and "differ from ours in float32" in m["finding"], fault
+    moved = sum(abs(a - b) for a, b in zip(m["accepted_per_pos"], report["ours"]["accepted_per_pos"]))
+    assert moved > 2, (fault, m["accepted_per_pos"], report["ours"]["accepted_per_pos"])  # beyond any near-tie

@@ -152,6 +152,19 @@ def test_transformers_reads_both_rope_spellings_the_same(tmp_path):
         assert hf.rope_parameters == rope and hf.head_dim == 16 and hf.num_hidden_layers == 1
 
 
+def test_reader_takes_the_old_rope_spelling_and_refuses_a_missing_one(tmp_path):
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 1024}
+    out = export_eagle3(make_head(rope=rope), "sglang", tmp_path / "s", dtype="float32")
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k != "rope_parameters"}))
+    assert read_head(out).config.arch.rope_parameters == rope
+    (out / "config.json").write_text(json.dumps({k: v for k, v in cfg.items()
+                                                 if k not in ("rope_parameters", "rope_theta", "rope_scaling")}))
+    with pytest.raises(common.ExportError, match=r"config.json: neither `rope_parameters` nor `rope_theta`"):
+        read_head(out)
+
+
 @pytest.mark.parametrize("dtype,torch_dtype", [("float16", torch.float16), ("float32", torch.float32)])
 def test_dtype_on_request(head, dtype, torch_dtype, tmp_path):
     tensors, cfg = exported(export_eagle3(head, "vllm", tmp_path / "v", dtype=dtype))
@@ -303,9 +316,9 @@ def test_stage_takes_the_speculative_tokens_the_evaluation_advises(head, tmp_pat
 
 def test_stage_refuses_mtp_formats_for_an_eagle3_head_before_writing(head, tmp_path):
     cfg = RunConfig(name="exp", run_root=str(tmp_path))
-    cfg.export.formats = ["sglang", "deepseek_mtp"]
+    cfg.export.formats = ["sglang", "native_mtp"]
     save_head(head, cfg.run_dir / "ckpt" / "final")
-    with pytest.raises(common.ExportError, match=r"\['deepseek_mtp'\] do not fit the eagle3 head"):
+    with pytest.raises(common.ExportError, match=r"\['native_mtp'\] do not fit the eagle3 head"):
         run.run(cfg, target=None)
     assert not (cfg.run_dir / "export").exists()
 

@@ -159,12 +159,13 @@ def accepted_path(tree: Tree, node_BN: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def test_compact_kv_moves_accepted_entries_and_keeps_the_prefix():
+@pytest.mark.parametrize("value_dim", [8, 6])  # 6: keys and values of different widths, as MLA caches them
+def test_compact_kv_moves_accepted_entries_and_keeps_the_prefix(value_dim):
     gen = torch.Generator().manual_seed(0)
     tree = random_tree(4, 16, V, gen)
     accept = accepted_path(tree, torch.tensor([15, 0, 9, 4]))
     keys = torch.randn(4, 2, 5 + 16 + 3, 8, generator=gen)
-    values = torch.randn_like(keys)
+    values = torch.randn(4, 2, 5 + 16 + 3, value_dim, generator=gen)
     new_k, new_v = keys.clone(), values.clone()
     compact_kv(new_k, new_v, 5, accept)
     assert torch.equal(new_k[:, :, :5], keys[:, :, :5])
@@ -175,6 +176,8 @@ def test_compact_kv_moves_accepted_entries_and_keeps_the_prefix():
                 assert torch.equal(new_v[b, :, 5 + s], values[b, :, 5 + node])
     with pytest.raises(ValueError, match="does not fit a cache of length"):
         compact_kv(new_k, new_v, 20, accept)
+    with pytest.raises(ValueError, match="the same B, H, L"):
+        compact_kv(new_k, new_v[:, :1], 5, accept)
 
 
 @torch.no_grad()

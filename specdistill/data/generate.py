@@ -36,7 +36,7 @@ SMALL_MODEL_PARAMS = 20_000_000  # below this a decode step is too small to spli
 @contextmanager
 def threads_for(model):
     """One intra-op thread for tiny models: splitting their microsecond ops costs more than it saves,
-    and on a busy CPU the threads' spin-waits make it ~10x slower."""
+    and on a busy CPU the threads' spin-waits cost more still."""
     if sum(p.numel() for p in model.parameters()) >= SMALL_MODEL_PARAMS:
         yield
         return
@@ -183,7 +183,7 @@ class LocalGenerator:
         positions_BW = (attention_BW.cumsum(-1) - 1).clamp(min=0)
         cache = _growing_cache()
         # The last position as an index tensor, not `logits_to_keep=1`: the int form hands lm_head a strided
-        # view, and torch's CPU matmul then copies the whole lm_head weight once per row (~20x slower).
+        # view, and torch's CPU matmul then copies the whole lm_head weight once per row.
         out = self.model(input_ids=input_ids_BW, attention_mask=attention_BW, position_ids=positions_BW,
                          **with_kv_cache(self.model, cache),
                          logits_to_keep=torch.tensor([width - 1], device=self.device))

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from specdistill.cache import ResultCache, content_key
 from specdistill.config import ENGINE_LAYOUTS, EngineConfig, EvalConfig, RunConfig
 from specdistill.evaluate.bench import conversation_ids, load_prompts, turn_batches
-from specdistill.export import export_eagle3
+from specdistill.export import export_eagle3, export_mtp
 from specdistill.export.common import CONFIG_FILE, DTYPES, WEIGHTS_FILE, read_config
 from specdistill.export.reader import detect_layout
 from specdistill.io import atomic_dir, write_json
@@ -148,7 +148,8 @@ def run_worker(engine: str, python: str, request: dict, work: Path, run_name: st
                               stdout=log_file, stderr=subprocess.STDOUT)
     lines = log_path.read_text(errors="replace").splitlines()
     if proc.returncode != 0 or not result_path.exists():
-        tail = "\n".join(lines[-30:])
+        first = next((line for line in lines if EXCEPTION_LINE.search(line)), None)  # a worker's, logged early
+        tail = "\n".join(([first] if first is not None and first not in lines[-30:] else []) + lines[-30:])
         raise EngineError(f"{engine} ({run_name}, {python}) exited with code {proc.returncode}; its log is "
                           f"{log_path}, ending:\n{tail}")
     result = json.loads(result_path.read_text())
@@ -275,13 +276,32 @@ def engine_summary_line(report: dict) -> str:
 
 def evaluate_in_engine(cfg: RunConfig, target: Target, head, out_dir: Path) -> dict:
     """The evaluate stage's `eval.engine`: export `head` in each layout the engine loads (bf16 by default, the
-    speculators verifier being the local target) and serve them."""
+    speculators verifier being the local target; a target's own MTP module laid over its checkpoint) and serve
+    them."""
     ec = cfg.eval.engine
     target_dir = served_dir(cfg.target)
-    layouts = [layout for layout in ec.layouts if layout in ENGINE_LAYOUTS[ec.name]]
-    exports = {layout: export_eagle3(head, layout, out_dir / "engine" / layout, cfg.export.dtype, str(target_dir))
-               for layout in layouts}
+    work = out_dir / "engine"
+    if head.config.kind == "native_mtp":
+        export = export_mtp(head, work / "native_mtp-export", cfg.export.dtype, target_dir)
+        exports = {"native_mtp": laid_over(export, target_dir, work / "native_mtp")}
+    elif head.config.kind == "eagle3":
+        exports = {layout: export_eagle3(head, layout, work / layout, cfg.export.dtype, str(target_dir))
+                   for layout in ec.layouts if layout in ENGINE_LAYOUTS[ec.name]}
+    else:
+        raise EngineError(f"no engine serves the {head.config.kind} head: an MTP head on a target without its own "
+                          "MTP layers has no engine layout (set eval.engine.name=null)")
     return engine_evaluation(ec, cfg.eval, target, rounded(head, cfg.export.dtype), exports, target_dir, out_dir)
+
+
+def laid_over(export_dir: Path, target_dir: Path, out: Path) -> Path:
+    """The target checkpoint with an MTP export laid over it, as a user serves it: links to the target's files,
+    the export's own files in their place."""
+    ours = {p.name for p in export_dir.iterdir() if p.is_file()}
+    with atomic_dir(out) as tmp:
+        for path in [*(p for p in target_dir.iterdir() if p.is_file() and p.name not in ours),
+                     *(export_dir / name for name in sorted(ours))]:
+            (tmp / path.name).symlink_to(path.resolve())
+    return out
 
 
 def served_exports(export_dir: Path, target_dir: Path, out_dir: Path) -> dict[str, Path]:

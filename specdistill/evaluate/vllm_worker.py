@@ -4,7 +4,7 @@
 
 The request names the target folder, the draft (an export folder, or none for plain decoding), how the
 draft is handed over (`speculative_config` for the HF layout, or as the model itself for a speculators
-export, which vLLM auto-detects), the number of speculative tokens, the dtype, and the prompts as token ids
+export, which vLLM auto-detects, and for a target checkpoint carrying its own fine-tuned MTP layer), the number of speculative tokens, the dtype, and the prompts as token ids
 (tokenized by our chat template, so both sides decode the very same inputs). The result holds vLLM's
 version, each prompt's output ids, the engine's own speculative-decoding counters, and wall times.
 """
@@ -41,6 +41,9 @@ def main(request_path: str, result_path: str) -> None:
     draft, k = request["draft"], request["num_speculative_tokens"]
     if draft is None:
         model = request["target"]
+    elif request["layout"] == "native_mtp":  # the target checkpoint with the fine-tuned MTP layer laid over it
+        model = draft
+        engine_args["speculative_config"] = {"method": "mtp", "num_speculative_tokens": k}
     elif request["layout"] == "speculators":  # the export is the model; vLLM serves its verifier with it
         model = draft
         engine_args["speculative_config"] = {"num_speculative_tokens": k}

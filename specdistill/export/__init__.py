@@ -1,7 +1,7 @@
 """Export trained heads to the layouts serving engines load: one module per layout, one reader.
 
-EAGLE-3: `sglang`, `vllm`, `speculators`, `trtllm`. MTP: `deepseek_mtp`, `qwen3_next_mtp`. Each module
-has a `KEY_MAP`, `REQUIRED_KEYS` and a pure `convert` that validates before anything is written.
+EAGLE-3: `sglang`, `vllm`, `speculators`, `trtllm`, each with a `KEY_MAP`, `REQUIRED_KEYS` and a pure `convert`
+that validates before anything is written. A target's own MTP module: `native_mtp` (its checkpoint's keys).
 """
 
 from __future__ import annotations
@@ -10,12 +10,13 @@ import logging
 from collections.abc import Mapping
 from pathlib import Path
 
-from specdistill.export import common, deepseek_mtp, qwen3_next_mtp, sglang, speculators, trtllm, vllm
+from specdistill.export import common, native_mtp, sglang, speculators, trtllm, vllm
 
 log = logging.getLogger(__name__)
 
 EAGLE3_LAYOUTS = {"sglang": sglang, "vllm": vllm, "speculators": speculators, "trtllm": trtllm}
-MTP_LAYOUTS = {"deepseek_mtp": deepseek_mtp, "qwen3_next_mtp": qwen3_next_mtp}
+MTP_LAYOUTS = {"native_mtp": native_mtp}
+FITTING_FORMATS = {"eagle3": ["sglang", "vllm"], "native_mtp": ["native_mtp"], "mtp": []}  # export.formats: null
 
 
 def export_eagle3(head, fmt: str, out_dir: str | Path, dtype: str = "bfloat16", target: str | None = None,
@@ -34,13 +35,12 @@ def export_eagle3(head, fmt: str, out_dir: str | Path, dtype: str = "bfloat16", 
     return out
 
 
-def export_mtp(head, fmt: str, out_dir: str | Path, dtype: str = "bfloat16", target_config: Mapping | None = None,
-               target_index: Mapping | None = None) -> Path:
-    """Write an MTP head (anything with `module_state_dicts()` and an MTP config) in layout `fmt`."""
-    if fmt not in MTP_LAYOUTS:
-        raise common.ExportError(f"export format {fmt!r} does not fit an MTP head; expected one of {list(MTP_LAYOUTS)}")
-    modules = [{k: v.detach().cpu() for k, v in m.items()} for m in head.module_state_dicts()]
-    converted = MTP_LAYOUTS[fmt].convert(modules, head.config, dtype, target_config, target_index)
+def export_mtp(head, out_dir: str | Path, dtype: str = "bfloat16", checkpoint: str | Path | None = None) -> Path:
+    """Write a target's own MTP module in its checkpoint's keys; given `checkpoint` (the target's dir), also the
+    re-pointed index and the target's shards without their stale MTP layer."""
+    converted = native_mtp.convert(head, dtype, checkpoint)
     out = common.write_export(out_dir, converted)
-    log.info("exported %s head (%s) to %s", fmt, dtype, out)
+    log.info("exported the MTP module (%s) to %s%s", dtype, out,
+             f" (shards rewritten without the stale MTP layer: {', '.join(converted.extra_tensors)})"
+             if converted.extra_tensors else "")
     return out

@@ -53,37 +53,8 @@ EAGLE3_KEYS = (
 )
 
 
-MTP_KEYS = (
-    "embed_tokens.weight",
-    "enorm.weight",
-    "hnorm.weight",
-    "eh_proj.weight",
-    *(f"layers.0.{k}" for k in BLOCK_KEYS),
-    "norm.weight",
-    "lm_head.weight",
-)
-"""State-dict keys of one MTP module (what the MTP head's `trainable_state_dict` holds per module).
-
-`embed_tokens` [V, H] frozen copy of the target's; `enorm`, `hnorm` [H] RMSNorms of the embedding of
-token t+k and of the previous hidden state; `eh_proj` [H, 2H] over cat(enorm(emb), hnorm(hidden));
-`layers.0.*` one Llama decoder block (q/k/v read H); `norm` [H] final norm; `lm_head` [V_draft, H].
-A head with k separate modules passes a list of k such dicts (`MTPHead.module_state_dicts()`).
-"""
-
-
 class ExportError(ValueError):
     """A head or an exported directory does not match a loader's contract; the message names the key."""
-
-
-@dataclass(frozen=True)
-class MTPDims:
-    """What an MTP layout needs beyond the tensors (an `MTPConfig` has the same fields and may be passed)."""
-
-    arch: HeadArch
-    vocab_size: int
-    target_num_layers: int
-    draft_vocab_size: int | None = None  # None: the full target vocabulary
-    target_hidden_size: int | None = None  # None: the block's width
 
 
 @dataclass
@@ -94,6 +65,7 @@ class Converted:
     config: dict
     weights_file: str = WEIGHTS_FILE
     extra_json: dict[str, dict] = field(default_factory=dict)
+    extra_tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # file name -> its tensors
 
 
 def block_shapes(arch: HeadArch, in_dim: int) -> dict[str, tuple[int, ...]]:
@@ -127,35 +99,6 @@ def eagle3_shapes(config: Eagle3Config) -> dict[str, tuple[int, ...]]:
     }
     assert set(shapes) == set(EAGLE3_KEYS)
     return shapes
-
-
-def mtp_shapes(dims: MTPDims) -> dict[str, tuple[int, ...]]:
-    """Shape of every tensor of one MTP module, under `MTP_KEYS`."""
-    d, h = dims.arch.hidden_size, dims.target_hidden_size or dims.arch.hidden_size
-    return {
-        "embed_tokens.weight": (dims.vocab_size, d),
-        "enorm.weight": (d,),
-        "hnorm.weight": (h,),
-        "eh_proj.weight": (d, d + h),
-        **{f"layers.0.{k}": s for k, s in block_shapes(dims.arch, d).items()},
-        "norm.weight": (d,),
-        "lm_head.weight": (dims.draft_vocab_size or dims.vocab_size, d),
-    }
-
-
-def check_mtp(modules: Sequence[Mapping[str, torch.Tensor]], dims: MTPDims, where: str,
-              full_vocab_head: bool) -> None:
-    """Keys and shapes per module; MTP layouts live inside the target, so the block has the target's width."""
-    if not modules:
-        raise ExportError(f"{where}: no MTP module given; expected a list of one state dict per module")
-    if (dims.target_hidden_size or dims.arch.hidden_size) != dims.arch.hidden_size:
-        raise ExportError(f"{where}: head width {dims.arch.hidden_size} differs from the target's "
-                          f"{dims.target_hidden_size}; MTP layouts hold blocks of the target's width")
-    if full_vocab_head and (dims.draft_vocab_size or dims.vocab_size) != dims.vocab_size:
-        raise ExportError(f"{where}: the head's lm_head covers a draft vocabulary of {dims.draft_vocab_size} "
-                          f"tokens; this layout's loader reads a full-vocabulary head ({dims.vocab_size})")
-    for i, state in enumerate(modules):
-        check_tensors(state, mtp_shapes(dims), f"{where}, module {i}")
 
 
 def check_tensors(state: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]], where: str) -> None:
@@ -224,11 +167,6 @@ def eagle3_target_dims(config: Eagle3Config) -> dict[str, int]:
             "num_hidden_layers": config.target_num_layers}
 
 
-def mtp_target_dims(dims: MTPDims) -> dict[str, int]:
-    return {"vocab_size": dims.vocab_size, "hidden_size": dims.arch.hidden_size,
-            "num_hidden_layers": dims.target_num_layers}
-
-
 def cast(state: Mapping[str, torch.Tensor], dtype: str, d2t_dtype: torch.dtype = torch.int64) -> dict[str, torch.Tensor]:
     """Floating tensors to `dtype`; `d2t` to the engine's integer dtype; `t2d` stays bool."""
     if dtype not in DTYPES:
@@ -262,13 +200,16 @@ def rope_fields(rope_parameters: Mapping) -> dict:
     }
 
 
-def rope_from_config(config: Mapping) -> dict:
-    """Inverse of `rope_fields`: the new spelling, rebuilt from the old one if that is all there is."""
+def rope_from_config(config: Mapping, where: str) -> dict:
+    """Inverse of `rope_fields`: the new spelling, rebuilt from the old one if that is all there is. A config
+    with neither is refused: guessing theta 10000 would read a head back at the wrong positions."""
     if config.get("rope_parameters"):
         return dict(config["rope_parameters"])
+    if "rope_theta" not in config:
+        raise ExportError(f"{where}: neither `rope_parameters` nor `rope_theta`; expected the head's RoPE")
     scaling = dict(config.get("rope_scaling") or {"rope_type": "default"})
     scaling.setdefault("rope_type", scaling.pop("type", "default"))
-    return {**scaling, "rope_theta": float(config.get("rope_theta", 10000.0))}
+    return {**scaling, "rope_theta": float(config["rope_theta"])}
 
 
 def layer_id_fields(config: Eagle3Config) -> dict:
@@ -323,13 +264,11 @@ def eagle3_fields(config: Eagle3Config, dtype: str) -> dict:
 
 
 def stitched_index(target_index: Mapping, weights_file: str, keys: Sequence[str]) -> dict:
-    """A copy of the target's `model.safetensors.index.json` with the MTP keys pointing at `weights_file`."""
+    """A copy of the target's `model.safetensors.index.json` with `keys` pointing at `weights_file` (stale copies
+    of them, a checkpoint's own MTP layer, are re-pointed: replacing it is the point)."""
     weight_map = dict(target_index.get("weight_map") or {})
     if not weight_map:
         raise ExportError("target checkpoint index: no `weight_map`; expected a model.safetensors.index.json")
-    clash = sorted(set(keys) & set(weight_map))
-    if clash:
-        raise ExportError(f"target checkpoint index already holds MTP keys {clash[:4]}; refusing to overwrite them")
     return {**target_index, "weight_map": weight_map | dict.fromkeys(keys, weights_file)}
 
 
@@ -337,7 +276,7 @@ def write_export(out_dir: str | Path, converted: Converted) -> Path:
     """Write the weights file + `config.json` (+ any extra json files) into `out_dir`, all or nothing. Files of
     the user's already in `out_dir` (a serve script, a model card) are carried over, not deleted."""
     out_dir = Path(out_dir)
-    ours = {converted.weights_file, CONFIG_FILE, *converted.extra_json}
+    ours = {converted.weights_file, CONFIG_FILE, *converted.extra_json, *converted.extra_tensors}
     foreign = sorted(p for p in out_dir.iterdir() if p.name not in ours) if out_dir.is_dir() else []
     with atomic_dir(out_dir) as tmp:
         for path in foreign:
@@ -348,6 +287,8 @@ def write_export(out_dir: str | Path, converted: Converted) -> Path:
         write_json(tmp / CONFIG_FILE, converted.config)
         for name, obj in converted.extra_json.items():
             write_json(tmp / name, obj)
+        for name, tensors in converted.extra_tensors.items():
+            save_tensors(tmp / name, tensors, metadata={"format": "pt"})
     return out_dir
 
 

@@ -17,7 +17,10 @@ from specdistill.heads.layers import HeadArch
 
 
 def detect_layout(config: dict) -> str:
-    """Which writer produced this config.json (the layouts differ in the fields they add)."""
+    """Which writer produced this config.json (the layouts differ in the fields they add; a target's own MTP
+    layer comes with the target's config, which declares it)."""
+    if config.get("num_nextn_predict_layers"):
+        return "native_mtp"
     if "speculators_model_type" in config:
         return "speculators"
     if "next_layer_regular" in (config.get("eagle_config") or {}):
@@ -49,7 +52,7 @@ def head_config(config: dict, where: str) -> Eagle3Config:
             num_attention_heads=heads, num_key_value_heads=layer.get("num_key_value_heads", heads),
             head_dim=layer.get("head_dim") or layer["hidden_size"] // heads,
             rms_norm_eps=layer["rms_norm_eps"], max_position_embeddings=layer["max_position_embeddings"],
-            rope_parameters=common.rope_from_config(layer),
+            rope_parameters=common.rope_from_config(layer, where),
         )
         return Eagle3Config(
             arch=arch, vocab_size=layer["vocab_size"], draft_vocab_size=config["draft_vocab_size"],
@@ -65,6 +68,9 @@ def read_head(directory: str | Path, dtype: torch.dtype = torch.float32) -> Eagl
     directory = Path(directory)
     config = common.read_config(directory)
     where = str(directory / common.CONFIG_FILE)
+    if detect_layout(config) == "native_mtp":
+        raise common.ExportError(f"{where}: a target checkpoint with its own MTP layer, not a draft head export; "
+                                 "pass the head's checkpoint (runs/<name>/ckpt/best) instead")
     head_cfg = head_config(config, where)
     layout = EAGLE3_LAYOUTS[detect_layout(config)]
     weights = directory / common.WEIGHTS_FILE

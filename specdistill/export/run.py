@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 
 from specdistill.config import EMBEDDED_TARGET, RANDOM_TARGET, RunConfig
-from specdistill.export import EAGLE3_LAYOUTS, MTP_LAYOUTS, common, export_eagle3, export_mtp
+from specdistill.export import EAGLE3_LAYOUTS, FITTING_FORMATS, MTP_LAYOUTS, common, export_eagle3, export_mtp
 from specdistill.heads import load_head, trained_head_dir
 from specdistill.target import served_dir
 
@@ -16,18 +16,27 @@ SERVED_NAMES = {EMBEDDED_TARGET: "HuggingFaceTB/SmolLM2-135M-Instruct"}  # the e
 DEFAULT_SPECULATIVE_TOKENS = 3
 
 
-def export_checkpoint(ckpt: str | Path, formats: list[str], out: str | Path, dtype: str = "bfloat16",
-                      target: str | None = None, speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS) -> dict[str, str]:
-    """Write the head in `ckpt` in every format, each into `<out>/<format>/`; returns format -> path. `target`
-    names the verifier (speculators layout), `speculative_tokens` the chain vLLM drafts by default there."""
+def export_checkpoint(ckpt: str | Path, formats: list[str] | None, out: str | Path, dtype: str = "bfloat16",
+                      target: str | None = None, speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS,
+                      checkpoint: str | Path | None = None) -> dict[str, str]:
+    """Write the head in `ckpt` in every format (None: those that fit it), each into `<out>/<format>/`; returns
+    format -> path. `target` names the verifier (speculators layout), `speculative_tokens` the chain vLLM drafts by
+    default there; `checkpoint` is the target's dir, whose stale MTP layer a native MTP export replaces."""
     head = load_head(ckpt)
-    layouts = MTP_LAYOUTS if head.config.kind == "mtp" else EAGLE3_LAYOUTS
+    kind = head.config.kind
+    if formats is None:
+        formats = FITTING_FORMATS[kind]
+        if not formats:
+            log.warning("no engine serves the %s head in %s (an MTP head on a target without its own MTP layers); "
+                        "nothing exported", kind, ckpt)
+            return {}
+    layouts = EAGLE3_LAYOUTS if kind == "eagle3" else MTP_LAYOUTS
     unfit = [fmt for fmt in formats if fmt not in layouts]
     if unfit:  # checked for all formats before any is written
-        raise common.ExportError(f"export formats {unfit} do not fit the {head.config.kind} head in {ckpt}; "
+        raise common.ExportError(f"export formats {unfit} do not fit the {kind} head in {ckpt}; "
                                  f"EAGLE-3 layouts: {list(EAGLE3_LAYOUTS)}, MTP layouts: {list(MTP_LAYOUTS)}")
     if layouts is MTP_LAYOUTS:
-        paths = {fmt: str(export_mtp(head, fmt, Path(out) / fmt, dtype)) for fmt in formats}
+        paths = {fmt: str(export_mtp(head, Path(out) / fmt, dtype, checkpoint)) for fmt in formats}
     else:
         paths = {fmt: str(export_eagle3(head, fmt, Path(out) / fmt, dtype, target, speculative_tokens=speculative_tokens))
                  for fmt in formats}
@@ -50,5 +59,7 @@ def run(cfg: RunConfig, target=None) -> dict:
     served = str(served_dir(cfg.target)) if cfg.target.name == RANDOM_TARGET else SERVED_NAMES.get(cfg.target.name,
                                                                                                   cfg.target.name)
     steps = cfg.export.speculative_tokens or advised_speculative_tokens(cfg.run_dir)
-    paths = export_checkpoint(trained_head_dir(cfg.run_dir), cfg.export.formats, out, cfg.export.dtype, served, steps)
+    checkpoint = served if Path(served).is_dir() else None
+    paths = export_checkpoint(trained_head_dir(cfg.run_dir), cfg.export.formats, out, cfg.export.dtype, served, steps,
+                              checkpoint)
     return {"formats": paths}

@@ -18,6 +18,7 @@ from specdistill.config import HeadConfig
 from specdistill.heads.eagle3 import Eagle3Config, Eagle3Head
 from specdistill.heads.layers import HeadArch
 from specdistill.heads.mtp import MTPConfig, MTPHead
+from specdistill.heads.native_mtp import NativeMTPConfig, NativeMTPHead, declares_mtp
 from specdistill.io import (
     CorruptFile,
     embedding_fingerprint,
@@ -28,7 +29,8 @@ from specdistill.io import (
 )
 
 log = logging.getLogger(__name__)
-HEADS = {"eagle3": (Eagle3Config, Eagle3Head), "mtp": (MTPConfig, MTPHead)}
+HEADS = {"eagle3": (Eagle3Config, Eagle3Head), "mtp": (MTPConfig, MTPHead),
+         "native_mtp": (NativeMTPConfig, NativeMTPHead)}
 HEAD_WEIGHTS = "head.safetensors"
 HEAD_CONFIG = "head_config.json"
 
@@ -73,8 +75,10 @@ def build_head(head_cfg: HeadConfig, target, d2t: torch.Tensor, t2d: torch.Tenso
         raise ValueError(
             f"config field `head.kind`: {head_cfg.kind!r} is not built yet; available: {list(HEADS)}"
         )
-    config_cls, head_cls = HEADS[head_cfg.kind]
     tc = target.config
+    if head_cfg.kind == "mtp" and declares_mtp(tc):
+        return build_native_mtp(target)
+    config_cls, head_cls = HEADS[head_cfg.kind]
     extra = {"num_modules": head_cfg.mtp_num_modules} if head_cfg.kind == "mtp" else {}
     config = config_cls(
         arch=arch_from_target(tc, head_cfg),
@@ -102,6 +106,22 @@ def build_head(head_cfg: HeadConfig, target, d2t: torch.Tensor, t2d: torch.Tenso
                              f"target {tc.hidden_size}, so there are no target rows to freeze it at: set "
                              "head.freeze_lm_head=false to train the head's own")
         head.lm_head.weight.requires_grad_(False)
+    return head
+
+
+def build_native_mtp(target) -> NativeMTPHead:
+    """The target's own MTP module (its config declares MTP layers), started from the checkpoint's MTP weights
+    when it has them, drafting over the full vocabulary with the target's frozen embedding and lm_head."""
+    tc = target.config
+    vocab = tc.vocab_size
+    head = NativeMTPHead(NativeMTPConfig(
+        target_config=tc.to_dict() | {"architectures": [type(target.model).__name__]}, vocab_size=vocab, draft_vocab_size=vocab, target_hidden_size=tc.hidden_size,
+        aux_layer_ids=list(target.layer_ids), target_num_layers=tc.num_hidden_layers, target_name=target.name,
+        target_embedding=embedding_fingerprint(target.model.get_input_embeddings().weight)))
+    model = target.model
+    head.init_from_target(model.get_input_embeddings().weight.float(), model.get_output_embeddings().weight.float(),
+                          torch.zeros(vocab, dtype=torch.long), torch.ones(vocab, dtype=torch.bool))
+    log.info("MTP head: %s's own MTP module, started from %s", tc.model_type, head.init_module(model))
     return head
 
 

@@ -91,9 +91,10 @@ def ttt_attention(q_BNQE, keys, values, mask0_BQT=None) -> torch.Tensor:
     under `mask0_BQT` (True = attend: packed documents, or Q queries at a subset of the positions);
     keys[i] for i >= 1 are the step-i entries of the queries' own positions, each attended only by its
     own query. On CPU, and on CUDA in 16/32-bit floats, the fused core (no [Q, T] matrix kept for
-    backward) runs; elsewhere the explicit one.
+    backward) runs when values have the queries' head dim; elsewhere the explicit one.
     """
-    if q_BNQE.device.type == "cpu" or (q_BNQE.device.type == "cuda" and q_BNQE.dtype in CUDA_FUSED_DTYPES):
+    fused_device = q_BNQE.device.type == "cpu" or (q_BNQE.device.type == "cuda" and q_BNQE.dtype in CUDA_FUSED_DTYPES)
+    if fused_device and values[0].shape[-1] == q_BNQE.shape[-1]:  # the kernels need one head dim (MLA has two)
         bias_BNQT = None if mask0_BQT is None else attention_bias(mask0_BQT, q_BNQE)
         return FusedTTTAttention.apply(q_BNQE, bias_BNQT, *keys, *values)
     return ttt_attention_explicit(q_BNQE, keys, values, mask0_BQT)

@@ -18,6 +18,7 @@ import logging
 from torch import Tensor
 
 from specdistill.spec import kernels
+from specdistill.spec.kernels import reference
 
 log = logging.getLogger(__name__)
 
@@ -26,10 +27,10 @@ def compact_kv(keys_BHLD: Tensor, values_BHLD: Tensor, tree_start: int, accept_n
     """In place: for each row, the entries at tree_start + accept_nodes[b, s] move to tree_start + s
     (slots with -1 are left alone). accept_nodes is a verdict's: it starts with the root 0 and
     increases along the path."""
-    if keys_BHLD.shape != values_BHLD.shape or keys_BHLD.dim() != 4:
+    if keys_BHLD.dim() != 4 or values_BHLD.dim() != 4 or keys_BHLD.shape[:3] != values_BHLD.shape[:3]:
         raise ValueError(
-            f"compact_kv: keys and values must both be [B, H, L, D]; got {tuple(keys_BHLD.shape)} and "
-            f"{tuple(values_BHLD.shape)}"
+            f"compact_kv: keys and values must be [B, H, L, D] with the same B, H, L; got {tuple(keys_BHLD.shape)} "
+            f"and {tuple(values_BHLD.shape)}"
         )
     B, _, L, _ = keys_BHLD.shape
     if accept_nodes_BS.dim() != 2 or accept_nodes_BS.shape[0] != B:
@@ -40,7 +41,10 @@ def compact_kv(keys_BHLD: Tensor, values_BHLD: Tensor, tree_start: int, accept_n
             f"compact_kv: tree_start={tree_start} with accepted node up to {int(accept_nodes_BS.max())} and "
             f"{accept_nodes_BS.shape[1]} slots does not fit a cache of length {L}"
         )
-    kernels.compact_kv(keys_BHLD, values_BHLD, tree_start, accept_nodes_BS)
+    if keys_BHLD.shape == values_BHLD.shape:
+        kernels.compact_kv(keys_BHLD, values_BHLD, tree_start, accept_nodes_BS)
+    else:  # MLA caches keys and values of different widths; the kernels move one shape
+        reference.compact_kv(keys_BHLD, values_BHLD, tree_start, accept_nodes_BS)
 
 
 def compact_cache(cache, tree_start: int, accept_nodes_BS: Tensor, accept_len_B: Tensor) -> int:

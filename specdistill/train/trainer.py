@@ -238,9 +238,10 @@ class Trainer:
                  "computed online by the target" if cfg.capture.mode == "online" else "from the feature store")
 
     def served_vocabulary(self, vocab: DraftVocab) -> DraftVocab | None:
-        """The `train.served_vocab_size` most frequent tokens (the trained ones first), or None: serve as trained."""
+        """The `train.served_vocab_size` most frequent tokens (the trained ones first), or None: serve as trained
+        (a head over the full vocabulary, a target's own MTP module, is served as trained)."""
         size, limit = self.cfg.train.served_vocab_size, vocab.t2d_V.numel()
-        if size is None or size == vocab.size:
+        if size is None or size == vocab.size or self.head.config.draft_vocab_size == limit:
             return None
         if size > limit:
             raise ConfigError(f"config field `train.served_vocab_size`: got {size}, the target has only {limit} tokens")

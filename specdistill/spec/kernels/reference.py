@@ -158,11 +158,11 @@ def rejection_sample(
 def compact_kv(keys_BHLD: Tensor, values_BHLD: Tensor, tree_start: int, accept_nodes_BS: Tensor) -> None:
     """In place: cache entry tree_start + accept_nodes[b, s] moves to tree_start + s for every valid slot.
     All sources are read before anything is written, so overlapping moves are safe."""
-    B, H, _, D = keys_BHLD.shape
     S = accept_nodes_BS.shape[1]
     valid_B1S1 = (accept_nodes_BS >= 0)[:, None, :, None]
-    source_BHSD = (tree_start + accept_nodes_BS.clamp(min=0))[:, None, :, None].expand(B, H, S, D)
-    for cache_BHLD in (keys_BHLD, values_BHLD):
-        moved_BHSD = cache_BHLD.gather(2, source_BHSD)
+    source_B1S1 = (tree_start + accept_nodes_BS.clamp(min=0))[:, None, :, None]
+    for cache_BHLD in (keys_BHLD, values_BHLD):  # keys and values may differ in width (MLA)
+        B, H, _, D = cache_BHLD.shape
+        moved_BHSD = cache_BHLD.gather(2, source_B1S1.expand(B, H, S, D))
         window_BHSD = cache_BHLD[:, :, tree_start : tree_start + S]
         window_BHSD.copy_(torch.where(valid_B1S1, moved_BHSD, window_BHSD))

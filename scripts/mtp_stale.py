@@ -1,0 +1,85 @@
+"""The stale-MTP case in a real engine: a target ships a trained MTP layer (`released`), post-training leaves it
+stale (its MTP tensors perturbed: `stale`), and the pipeline fine-tunes it again from the stale weights
+(`finetuned`). vLLM serves each checkpoint with `speculative_config={"method": "mtp"}` and measures acceptance
+beside our own chain, in float32.
+
+    python scripts/mtp_stale.py                                   # glm4_moe, into mtp_stale/
+    python scripts/mtp_stale.py family=deepseek_v3 out=mtp_stale_ds noise=1.0
+
+Each run's log and directory lie under `out`; the table is written to `<out>/stale.md`.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+from specdistill.io import save_tensors, write_table
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ("embed_tokens.weight", "shared_head.head.weight")  # the engine drafts with the target's own
+
+
+def pipeline(out: Path, name: str, *overrides: str) -> dict:
+    """One run of the whole pipeline (the engine check included); its engine report."""
+    args = ["+exp=smoke", "head=mtp", f"name={name}", f"run_root={out}", "data.synth.num_conversations=128",
+            "data.synth.batch_size=64", "train.epochs=8", "train.lr=3e-3", "eval.limit=8", "eval.max_new_tokens=48",
+            "eval.engine.name=vllm", "eval.engine.dtype=float32", "target.random.max_position_embeddings=8192",
+            *overrides]
+    with open(out / f"{name}.log", "w") as log:
+        proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, stdout=log, stderr=log)
+    if proc.returncode:
+        sys.exit(f"run {name} failed; its log is {out / f'{name}.log'}")
+    return json.loads((out / name / "eval" / "engine.json").read_text())
+
+
+def perturbed(model: Path, out: Path, noise: float, seed: int = 0) -> Path:
+    """A copy of `model` whose MTP layer's tensors each moved by `noise` times their own spread."""
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(model, out, symlinks=False)
+    layer = f"model.layers.{json.loads((out / 'config.json').read_text())['num_hidden_layers']}."
+    g = torch.Generator().manual_seed(seed)
+    for path in sorted(out.glob("*.safetensors")):
+        tensors = load_file(str(path))
+        moved = {k: t + noise * t.float().std() * torch.randn(t.shape, generator=g).to(t.dtype)
+                 if k.startswith(layer) and not k.endswith(SHARED) and t.is_floating_point() and t.numel() > 1 else t
+                 for k, t in tensors.items()}
+        save_tensors(path, moved, metadata={"format": "pt"})
+    return out
+
+
+def row(name: str, report: dict) -> str:
+    m, ours = report["layouts"]["native_mtp"], report["ours"]
+    n = report["num_prompts"]
+    return (f"| {name} | {m['tau']:.3f} | {ours['tau']:.3f} | {m['accepted_per_pos']} | "
+            f"{'yes' if m['counters_equal_ours'] else 'no'} | {report['plain']['outputs_equal_ours']}/{n} | "
+            f"{m['outputs_equal_plain']}/{n} |")
+
+
+def main() -> None:
+    args = OmegaConf.from_cli()
+    family, noise = args.get("family", "glm4_moe"), float(args.get("noise", 1.0))
+    out = Path(args.get("out", "mtp_stale")).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    released_report = pipeline(out, "released", f"target.random.family={family}")
+    released = out / "released" / "eval" / "engine" / "native_mtp"  # the target with its trained MTP layer laid over
+    stale = perturbed(released, out / "stale-model", noise)
+    # the stale module as it is: one step at a learning rate below every weight's float32 resolution
+    stale_report = pipeline(out, "stale", f"target.name={stale}", "train.lr=1e-30", "train.max_steps=1")
+    finetuned_report = pipeline(out, "finetuned", f"target.name={stale}")
+    rows = [f"{family}, MTP tensors perturbed by {noise:g}x their spread; vLLM {released_report['version']}, float32, "
+            f"chain of {released_report['num_speculative_tokens']}, {released_report['num_prompts']} prompts",
+            "", "| MTP module | vLLM tau | our chain tau | vLLM accepted per position | counters equal ours "
+            "| vLLM's plain decode equals ours | outputs equal vLLM's plain |", "|---|---|---|---|---|---|---|",
+            row("released (trained)", released_report), row("stale (perturbed)", stale_report),
+            row("fine-tuned from stale", finetuned_report)]
+    write_table(out / "stale.md", rows)
+
+
+if __name__ == "__main__":
+    main()

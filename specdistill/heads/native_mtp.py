@@ -1,0 +1,195 @@
+"""The target's own MTP module (DeepSeek-V3, GLM-4.5: `num_nextn_predict_layers` in its config), fine-tuned
+as the serving engine runs it.
+
+Built from the target's transformers classes (its decoder layer, RMSNorm and rotary, through transformers'
+`MtpLayer`: `enorm`, `hnorm`, `eh_proj`, `mtp_block`, `post_norm`), initialised from the checkpoint's MTP
+weights when it has them. The draft step is vLLM's (`deepseek_mtp.py`, `glm4_moe_mtp.py`, V1 proposer):
+
+- step 0 reads the target's output after its final norm (the store keeps it before: `target_norm` applies it);
+- the token embedding is zeroed at position 0; x = eh_proj(cat(enorm(embedding), hnorm(hidden)));
+- h = mtp_block(x); logits = lm_head(post_norm(h)) with the target's own embedding and lm_head (the engine
+  replaces the module's copies with the target's, so both stay frozen here);
+- the next step reads post_norm(h) on DeepSeek-V3 and h on GLM-4.5 (`CARRIES_NORMED`), always through
+  MTP layer 0 (the proposer passes no step index), at the next position.
+
+Attention runs through a registered transformers attention function that hands q, k, v to the caller's
+`attend` (the Training-Time Test's, or the drafter's KV cache), so the block is the target's class, unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig
+from transformers.core_model_loading import WeightRenaming
+from transformers.modeling_layers import MtpLayer, MtpModel
+from transformers.modeling_utils import AttentionInterface
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+from specdistill.heads.base import DraftHead
+from specdistill.heads.layers import HeadArch
+
+log = logging.getLogger(__name__)
+
+DRAFT_ATTENTION = "specdistill_draft"
+MODULE_KEYS = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+               "post_norm.weight": "shared_head.norm.weight"}  # `MtpLayer` key -> the checkpoint's, under the layer
+CARRIES_NORMED = {"deepseek_v3": True, "glm4_moe": False}  # what vLLM carries between draft steps, per model_type
+
+
+def draft_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, draft_attend=None,
+                    **kwargs):
+    """transformers' attention interface, answered by the head's `attend(q, k, v)`. A scaling other than
+    1/sqrt(head dim) (DeepSeek's YaRN mscale) is folded into q, so every attention core keeps its default."""
+    if draft_attend is None:
+        raise RuntimeError("the MTP block ran without a draft `attend`: call it through NativeMTPHead.step")
+    default = query.shape[-1] ** -0.5
+    if scaling is not None and abs(scaling - default) > 1e-12 * default:
+        query = query * (scaling / default)
+    return draft_attend(query, key, value).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(DRAFT_ATTENTION, draft_attention)
+
+
+def declares_mtp(target_config) -> bool:
+    """The target ships MTP layers of a family whose module is built and served here."""
+    return target_config.model_type in CARRIES_NORMED and getattr(target_config, "num_nextn_predict_layers", 0) > 0
+
+
+def family_classes(hf_config) -> tuple[type, type, type]:
+    """The target family's decoder layer, RMSNorm and rotary embedding classes."""
+    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
+    module = importlib.import_module(model_cls.__module__)
+    prefix = model_cls.__name__.removesuffix("ForCausalLM")
+    return tuple(getattr(module, f"{prefix}{part}") for part in ("DecoderLayer", "RMSNorm", "RotaryEmbedding"))
+
+
+@dataclass
+class NativeMTPConfig:
+    target_config: dict  # the target's transformers config (to_dict): the module's classes and sizes
+    vocab_size: int
+    draft_vocab_size: int  # the full vocabulary: the engine drafts with the target's lm_head
+    target_hidden_size: int
+    aux_layer_ids: list[int]  # what the feature store holds; the module reads only `last`
+    target_num_layers: int
+    target_name: str | None = None
+    target_embedding: str | None = None
+    kind: str = "native_mtp"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        return cls(**d)
+
+    def hf_config(self):
+        """The target's config, answering attention through `draft_attention`."""
+        config = AutoConfig.for_model(**self.target_config)
+        config._attn_implementation = DRAFT_ATTENTION
+        config._experts_implementation = "eager"  # the MoE block's plain loop: no kernel choice outside a model
+        return config
+
+    @property
+    def arch(self) -> HeadArch:
+        """The block's attention dimensions, as the serving advice costs a head."""
+        c = self.hf_config()
+        head_dim = getattr(c, "qk_nope_head_dim", 0) + getattr(c, "qk_rope_head_dim", 0) or c.head_dim
+        return HeadArch(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                        num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                        head_dim=head_dim, rope_parameters=dict(c.rope_parameters))
+
+
+class NativeMTPHead(DraftHead):
+    def __init__(self, config: NativeMTPConfig):
+        super().__init__(config.vocab_size, config.draft_vocab_size, config.target_hidden_size)
+        self.config = config
+        hf_config = config.hf_config()
+        layer_cls, norm_cls, rotary_cls = family_classes(hf_config)
+        mtp_config = hf_config.get_mtp_config()
+        self.carries_normed = CARRIES_NORMED[hf_config.model_type]
+        self.layer = MtpLayer(mtp_config, layer_cls, norm_cls, 0, use_post_norm=True)
+        self.target_norm = norm_cls(hf_config.hidden_size, eps=hf_config.rms_norm_eps).requires_grad_(False)
+        self.rotary = rotary_cls(config=mtp_config)
+        self.num_heads = hf_config.num_attention_heads
+        self.lm_head.weight.requires_grad_(False)
+
+    def initial_hidden(self, aux_BTA: torch.Tensor, last_BTH: torch.Tensor | None = None) -> torch.Tensor:
+        """Step-0 hidden input: the target's output after its final norm, as the engine hands it over."""
+        if last_BTH is None:
+            raise ValueError("the MTP module reads the target's last hidden state; the batch has none "
+                             "(capture.teacher=topk stores no `last`: use capture.teacher=last)")
+        return self.target_norm(last_BTH.to(self.lm_head.weight.dtype))
+
+    def step(self, token_ids_BT, hidden_BTD, position_ids_BT, attend, depth: int = 0) -> torch.Tensor:
+        emb = self.embed_tokens(token_ids_BT).to(hidden_BTD.dtype)
+        emb = torch.where(position_ids_BT[..., None] == 0, 0.0, emb)
+        m = self.layer
+        x = m.eh_proj(torch.cat([m.enorm(emb), m.hnorm(hidden_BTD)], dim=-1))
+        h = m.mtp_block(x, attention_mask=None, position_ids=position_ids_BT,
+                        position_embeddings=self.rotary(x, position_ids_BT), draft_attend=attend)
+        return m.post_norm(h) if self.carries_normed else h
+
+    def logits(self, hidden_BTD: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        return self.lm_head(hidden_BTD if self.carries_normed else self.layer.post_norm(hidden_BTD))
+
+    def attention(self) -> NativeMTPHead:
+        return self  # the drafting loops need only `expand_kv`
+
+    def expand_kv(self, x_BKTE: torch.Tensor) -> torch.Tensor:
+        """Keys or values of the K kv heads repeated for the N query heads (MLA: K = N)."""
+        rep = self.num_heads // x_BKTE.shape[1]
+        return x_BKTE.repeat_interleave(rep, dim=1) if rep > 1 else x_BKTE
+
+    @torch.no_grad()
+    def init_module(self, target_model) -> str:
+        """The module's start: the MTP weights of the checkpoint the target was loaded from when it has them,
+        else the target's last decoder layer as the block (norms at one, a fresh eh_proj). Says which."""
+        self.target_norm.load_state_dict(target_model.get_decoder().norm.state_dict())
+        checkpoint = Path(target_model.config.name_or_path or "")
+        prefix = f"model.layers.{target_model.config.num_hidden_layers}."
+        if checkpoint.is_dir() and any(k.startswith(prefix) for k in checkpoint_keys(checkpoint)):
+            self.layer.load_state_dict(checkpoint_mtp_state(target_model, prefix))
+            return f"the MTP weights of {checkpoint}"
+        self.layer.mtp_block.load_state_dict(target_model.get_decoder().layers[-1].state_dict())
+        return "the target's last decoder layer (no MTP weights in its checkpoint)"
+
+
+def checkpoint_keys(directory: Path) -> list[str]:
+    """Every tensor name a checkpoint dir serves: its index's, else those of its safetensors files."""
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        return list(json.loads(index.read_text())["weight_map"])
+    keys = []
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            keys += list(f.keys())
+    return keys
+
+
+def checkpoint_mtp_state(target_model, prefix: str) -> dict[str, torch.Tensor]:
+    """Layer 0 of the checkpoint's MTP weights (keys under `prefix`) as `MtpLayer` keys, the block converted by
+    transformers exactly as the checkpoint's own layers are (it raises on any missing weight). The layer's copies
+    of the embedding and lm_head are not read: the engine drafts with the target's."""
+    pattern = re.compile("^" + re.escape(prefix) + r"(?!embed_tokens\.|shared_head\.head\.)")
+    own = [WeightRenaming(prefix + theirs, "layers.0." + ours) for ours, theirs in MODULE_KEYS.items()]
+
+    class CheckpointMtp(MtpModel):
+        @staticmethod
+        def get_mtp_weights_regex(main_model):  # transformers knows only the released models' layer numbers
+            return pattern
+
+        def get_weight_conversions(self, main_model):  # the layer's own keys first, then its block's
+            block = WeightRenaming(prefix, "layers.0.mtp_block.")
+            return [*own, block, *(getattr(main_model, "_weight_conversions", None) or [])]
+
+    mtp = CheckpointMtp.from_pretrained(target_model)
+    return {k.removeprefix("layers.0."): v for k, v in mtp.state_dict().items() if k.startswith("layers.0.")}

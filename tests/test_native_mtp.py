@@ -1,0 +1,212 @@
+"""A target's own MTP module (GLM-4.5, DeepSeek-V3 families, tiny random): built from the target's transformers
+classes, run with vLLM's semantics (each pinned here), drafted as it was trained, and exported in the keys of the
+target's own checkpoint, which transformers reads back into the same module."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from transformers.modeling_layers import MtpLayer
+
+from specdistill.config import HeadConfig, RandomTargetConfig, TargetConfig
+from specdistill.export import common, export_mtp, native_mtp
+from specdistill.export.run import export_checkpoint
+from specdistill.heads import build_head, load_head, save_head
+from specdistill.heads.native_mtp import family_classes
+from specdistill.spec.decode import Drafter
+from specdistill.target import load_target, save_hf_folder
+from specdistill.train.loss import LOSSES
+from specdistill.train.ttt import unroll_ttt
+from tests.test_ttt import random_batch, random_teacher
+
+FAMILIES = ["glm4_moe", "deepseek_v3"]
+
+
+def random_target(family: str):
+    return load_target(TargetConfig(name="random", random=RandomTargetConfig(family=family)))
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def target(request):
+    return random_target(request.param)
+
+
+def native_head(target, seed=0):
+    torch.manual_seed(seed)
+    head = build_head(HeadConfig(kind="mtp"), target, torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.bool))
+    with torch.no_grad():  # away from the last-layer start, so every weight matters
+        for p in head.layer.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return head.eval()
+
+
+def reference_step0(target, head, ids, last):
+    """transformers' own MtpLayer (eager attention, causal mask) fed as vLLM feeds it: the target's post-norm
+    output, the embedding zeroed at position 0; logits from the shared head's norm and the target's lm_head."""
+    config = transformers.AutoConfig.for_model(**head.config.target_config)
+    config._attn_implementation, config._experts_implementation = "eager", "eager"
+    layer_cls, norm_cls, rotary_cls = family_classes(config)
+    mtp_config = config.get_mtp_config()
+    ref = MtpLayer(mtp_config, layer_cls, norm_cls, 0).eval()
+    ref.load_state_dict(head.layer.state_dict())
+    T = ids.shape[1]
+    positions = torch.arange(T)[None]
+    emb = target.model.get_input_embeddings()(ids)
+    emb[:, 0] = 0
+    mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+    hidden = target.model.get_decoder().norm(last)
+    out = ref(emb, hidden, rotary_cls(config=mtp_config)(emb, positions), mask, positions, None)  # post_norm applied
+    return target.model.get_output_embeddings()(out)
+
+
+def test_a_target_with_mtp_layers_gets_its_own_module(target):
+    head = native_head(target)
+    tc = target.config
+    assert head.config.kind == "native_mtp" and head.config.draft_vocab_size == tc.vocab_size
+    assert type(head.layer.mtp_block).__name__ == type(target.model.get_decoder().layers[-1]).__name__
+    assert type(head.layer.mtp_block.mlp).__name__.endswith("MoE")  # an MTP layer is a MoE layer
+    # the engine drafts with the target's embedding and lm_head: frozen copies of them
+    assert torch.equal(head.embed_tokens.weight, target.model.get_input_embeddings().weight)
+    assert torch.equal(head.lm_head.weight, target.model.get_output_embeddings().weight)
+    assert not head.embed_tokens.weight.requires_grad and not head.lm_head.weight.requires_grad
+    assert torch.equal(head.target_norm.weight, target.model.get_decoder().norm.weight)
+
+
+def test_step0_is_the_engines_forward_of_transformers_own_layer(target):
+    head = native_head(target)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (2, 9), generator=g)
+    last = torch.randn(2, 9, target.hidden_size, generator=g)
+    batch = random_batch(2, 9, head)
+    batch.input_ids_BT, batch.last_BTH = ids, last
+    seen = []
+    with torch.no_grad():
+        unroll_ttt(head, batch, random_teacher(2, 9, head), 1, 0.8, lambda lg, t: seen.append(lg) or LOSSES["forward_kl"](lg, t))
+        expected = reference_step0(target, head, ids[:, 1:], last[:, :-1])  # step 0 at position t reads token t+1
+    torch.testing.assert_close(seen[0], expected[:, : seen[0].shape[1]], atol=2e-5, rtol=2e-5)
+
+
+def test_semantics_position0_carry_and_one_layer_for_every_step(target):
+    head = native_head(target)
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(1, 4, target.hidden_size, generator=g)
+    positions = torch.arange(4)[None]
+    keys, values = [], []
+
+    def attend(q, k, v):
+        keys.append(head.expand_kv(k))
+        values.append(head.expand_kv(v))
+        return torch.nn.functional.scaled_dot_product_attention(q, keys[-1], values[-1], is_causal=True)
+
+    with torch.no_grad():
+        a = head.step(torch.tensor([[5, 6, 7, 8]]), hidden, positions, attend)
+        b = head.step(torch.tensor([[9, 6, 7, 8]]), hidden, positions, attend)
+        assert torch.equal(a, b)  # the token at position 0 is never seen (its embedding is zeroed)
+        shifted = [head.step(tokens, hidden, positions + 1, attend) for tokens in (torch.tensor([[5, 6, 7, 8]]), torch.tensor([[9, 6, 7, 8]]))]
+        assert not torch.equal(*[s[:, 0] for s in shifted])  # at any other position it is
+        c = head.step(torch.tensor([[9, 6, 7, 8]]), hidden, positions, attend, depth=2)
+        assert torch.equal(b, c)  # every step runs MTP layer 0, as the engine's proposer does
+        # DeepSeek-V3 carries the output after the shared head's norm, GLM-4.5 the one before it
+        normed_rms = a.pow(2).mean(-1).sqrt()
+        weight_rms = head.layer.post_norm.weight.pow(2).mean().sqrt()
+        carries_normed = torch.allclose(normed_rms, weight_rms.expand_as(normed_rms), rtol=0.1)
+        assert carries_normed == (target.config.model_type == "deepseek_v3")
+        logits = head.logits(a)
+        normed = a if carries_normed else head.layer.post_norm(a)
+        torch.testing.assert_close(logits, target.model.get_output_embeddings()(normed))
+        # step 0 reads the target's output after its final norm
+        torch.testing.assert_close(head.initial_hidden(None, hidden), target.model.get_decoder().norm(hidden))
+
+
+def test_drafting_reproduces_the_training_unroll(target):
+    head = native_head(target)
+    T, steps, t = 10, 3, 5
+    batch = random_batch(1, T, head)
+    per_step = []
+    with torch.no_grad():
+        unroll_ttt(head, batch, random_teacher(1, T, head), steps, 0.8,
+                   lambda lg, tg: per_step.append(lg) or LOSSES["forward_kl"](lg, tg))
+    ids = batch.input_ids_BT
+    drafter = Drafter(head, head.config.vocab_size)
+    logp = drafter.extend(batch.aux_BTA[:, : t + 1], batch.last_BTH[:, : t + 1], ids[:, 1 : t + 2], 0)
+    torch.testing.assert_close(logp, torch.log_softmax(per_step[0][:, t], -1), atol=2e-5, rtol=2e-5)
+    parent = torch.full((1, 1), -1)
+    for j in range(1, steps):
+        logp = drafter.step(ids[:, t + 1 + j : t + 2 + j], parent, depth=j)
+        torch.testing.assert_close(logp[:, 0], torch.log_softmax(per_step[j][:, t], -1), atol=2e-5, rtol=2e-5)
+        parent = torch.zeros(1, 1, dtype=torch.long)
+
+
+def test_the_unroll_trains_the_module_only(target):
+    head = native_head(target).train()
+    batch, teacher = random_batch(2, 8, head), random_teacher(2, 8, head)
+    unroll_ttt(head, batch, teacher, 3, 0.8, LOSSES["forward_kl"]).loss.backward()
+    trained = {n for n, p in head.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert {"layer.eh_proj.weight", "layer.enorm.weight", "layer.hnorm.weight", "layer.post_norm.weight"} <= trained
+    assert any(n.startswith("layer.mtp_block.self_attn.") for n in trained)
+    assert not trained & {"embed_tokens.weight", "lm_head.weight", "target_norm.weight"}
+
+
+def checkpoint_keys_of_layer(target, layer: int) -> set[str]:
+    """The keys transformers writes for one of the target's own decoder layers, renumbered to `layer`."""
+    last = target.config.num_hidden_layers - 1
+    state = {k: v for k, v in target.model.state_dict().items() if k.startswith(f"model.layers.{last}.")}
+    reverted = transformers.core_model_loading.revert_weight_conversion(target.model, state)
+    return {k.replace(f"model.layers.{last}.", f"model.layers.{layer}.") for k in reverted}
+
+
+def test_export_holds_the_checkpoint_keys_and_transformers_reads_them_back(target, tmp_path):
+    head = native_head(target)
+    L = target.config.num_hidden_layers
+    served = save_hf_folder(target.model, target.tokenizer, tmp_path / "target")
+    out = export_mtp(head, tmp_path / "export", "float32")
+    tensors = load_file(str(out / native_mtp.WEIGHTS_FILE))
+    extras = {f"model.layers.{L}.{k}" for k in ("enorm.weight", "hnorm.weight", "eh_proj.weight",
+                                                "shared_head.norm.weight", "shared_head.head.weight",
+                                                "embed_tokens.weight")}
+    assert set(tensors) == checkpoint_keys_of_layer(target, L) | extras
+    assert any(".mlp.experts.0.gate_proj.weight" in k for k in tensors)  # experts one by one, as checkpoints hold them
+    config = json.loads((out / common.CONFIG_FILE).read_text())
+    assert config["num_nextn_predict_layers"] == 1 and config["architectures"] == [type(target.model).__name__]
+    # laid over the one-file target, its model.safetensors holds the layer; a new module starts where this one ended
+    over = export_mtp(head, tmp_path / "over", "float32", served)
+    assert sorted(p.name for p in over.iterdir()) == ["config.json", "model.safetensors"]
+    for path in over.iterdir():
+        (served / path.name).write_bytes(path.read_bytes())
+    reloaded = load_target(TargetConfig(name=str(served)))
+    again = build_head(HeadConfig(kind="mtp"), reloaded, torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.bool))
+    for key, value in head.layer.state_dict().items():
+        torch.testing.assert_close(again.layer.state_dict()[key], value, msg=key)
+    # a sharded checkpoint: the export re-points the index and rewrites the shard holding the stale layer
+    everything = load_file(str(served / "model.safetensors"))
+    (served / "model.safetensors").unlink()
+    shard = "model-00001-of-00001.safetensors"
+    save_file(everything, str(served / shard), metadata={"format": "pt"})
+    (served / common.INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": dict.fromkeys(everything, shard)}))
+    converted = native_mtp.convert(head, "float32", served)
+    assert converted.weights_file == native_mtp.WEIGHTS_FILE and set(converted.extra_tensors) == {shard}
+    assert set(converted.extra_tensors[shard]) == set(everything) - set(tensors)
+    index = converted.extra_json[common.INDEX_FILE]["weight_map"]
+    assert {k for k, v in index.items() if v == native_mtp.WEIGHTS_FILE} == set(tensors)
+
+
+def test_no_engine_layout_for_an_mtp_head_without_native_mtp_layers(tmp_path):
+    target = load_target(TargetConfig(name="random"))  # Llama: no MTP layers of its own
+    vocab = target.vocab_size
+    head = build_head(HeadConfig(kind="mtp", copy_init=False), target, torch.zeros(vocab, dtype=torch.long),
+                      torch.ones(vocab, dtype=torch.bool))
+    assert head.config.kind == "mtp"
+    with pytest.raises(common.ExportError, match="no engine layout.*research option"):
+        native_mtp.convert(head)
+    save_head(head, tmp_path / "ckpt")
+    assert export_checkpoint(tmp_path / "ckpt", None, tmp_path / "out") == {}  # the fitting layouts: none
+    with pytest.raises(common.ExportError, match="no engine layout"):
+        export_checkpoint(tmp_path / "ckpt", ["native_mtp"], tmp_path / "out")
+    native = native_head(random_target("glm4_moe"))
+    save_head(native, tmp_path / "native")
+    assert load_head(tmp_path / "native").config.kind == "native_mtp"
+    with pytest.raises(common.ExportError, match=r"\['vllm'\] do not fit the native_mtp head"):
+        export_checkpoint(tmp_path / "native", ["vllm"], tmp_path / "out")
+
