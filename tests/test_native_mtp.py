@@ -3,6 +3,7 @@ classes, run with vLLM's semantics (each pinned here), drafted as it was trained
 target's own checkpoint, which transformers reads back into the same module."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -210,3 +211,32 @@ def test_no_engine_layout_for_an_mtp_head_without_native_mtp_layers(tmp_path):
     with pytest.raises(common.ExportError, match=r"\['vllm'\] do not fit the native_mtp head"):
         export_checkpoint(tmp_path / "native", ["vllm"], tmp_path / "out")
 
+
+
+def test_the_export_stage_replaces_the_stale_layer_of_the_targets_own_folder(tmp_path, monkeypatch):
+    """A target named by its HF id: the export reads the checkpoint in the HF cache."""
+    import huggingface_hub
+
+    from specdistill.config import RunConfig
+    from specdistill.export import run
+
+    target = random_target("glm4_moe")
+    head = native_head(target)
+    revision = "0" * 40
+    repo = tmp_path / "hub" / "models--org--glm"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    folder = save_hf_folder(target.model, target.tokenizer, repo / "snapshots" / revision)
+    stale = {k: v + 1 for k, v in native_mtp.checkpoint_tensors(head).items()}
+    shard = "model-00001-of-00001.safetensors"
+    tensors = load_file(str(folder / "model.safetensors")) | stale
+    (folder / "model.safetensors").unlink()
+    save_file(tensors, str(folder / shard), metadata={"format": "pt"})
+    (folder / common.INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": dict.fromkeys(tensors, shard)}))
+    cfg = RunConfig(name="mtp", run_root=str(tmp_path / "runs"), target=TargetConfig(name="org/glm"))
+    save_head(head, cfg.run_dir / "ckpt" / "final")
+    out = Path(run.run(cfg)["formats"]["native_mtp"])
+    assert not set(load_file(str(out / shard))) & set(stale)  # the stale layer left the shard the export rewrote
+    index = json.loads((out / common.INDEX_FILE).read_text())["weight_map"]
+    assert {k for k, v in index.items() if v == native_mtp.WEIGHTS_FILE} == set(stale)

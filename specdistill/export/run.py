@@ -54,12 +54,13 @@ def advised_speculative_tokens(run_dir: Path) -> int:
 
 def run(cfg: RunConfig, target=None) -> dict:
     """Export stage entry; `target` is unused (every dimension is in the head config). The verifier is the target's
-    HF name (the random target: its saved folder)."""
+    HF name (the random target: its saved folder). The target's own folder (a local dir, its HF cache entry, the
+    saved random target) is the checkpoint whose stale MTP layer a native MTP export replaces; the embedded GGUF
+    target has none."""
     out = Path(cfg.out) if cfg.out else cfg.run_dir / "export"
-    served = str(served_dir(cfg.target)) if cfg.target.name == RANDOM_TARGET else SERVED_NAMES.get(cfg.target.name,
-                                                                                                  cfg.target.name)
+    checkpoint = None if cfg.target.name == EMBEDDED_TARGET or cfg.target.gguf_file else served_dir(cfg.target)
+    served = str(checkpoint) if cfg.target.name == RANDOM_TARGET else SERVED_NAMES.get(cfg.target.name, cfg.target.name)
     steps = cfg.export.speculative_tokens or advised_speculative_tokens(cfg.run_dir)
-    checkpoint = served if Path(served).is_dir() else None
     paths = export_checkpoint(trained_head_dir(cfg.run_dir), cfg.export.formats, out, cfg.export.dtype, served, steps,
                               checkpoint)
     return {"formats": paths}
