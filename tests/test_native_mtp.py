@@ -23,6 +23,7 @@ from specdistill.train.ttt import unroll_ttt
 from tests.test_ttt import random_batch, random_teacher
 
 FAMILIES = ["glm4_moe", "deepseek_v3"]
+NO_DRAFT_VOCAB = (torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.bool))  # the module drafts the full one
 
 
 def random_target(family: str):
@@ -36,7 +37,7 @@ def target(request):
 
 def native_head(target, seed=0):
     torch.manual_seed(seed)
-    head = build_head(HeadConfig(kind="mtp"), target, torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.bool))
+    head = build_head(HeadConfig(kind="mtp"), target, *NO_DRAFT_VOCAB)
     with torch.no_grad():  # away from the last-layer start, so every weight matters
         for p in head.layer.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -84,7 +85,8 @@ def test_step0_is_the_engines_forward_of_transformers_own_layer(target):
     batch.input_ids_BT, batch.last_BTH = ids, last
     seen = []
     with torch.no_grad():
-        unroll_ttt(head, batch, random_teacher(2, 9, head), 1, 0.8, lambda lg, t: seen.append(lg) or LOSSES["forward_kl"](lg, t))
+        unroll_ttt(head, batch, random_teacher(2, 9, head), 1, 0.8,
+                   lambda lg, t: seen.append(lg) or LOSSES["forward_kl"](lg, t))
         expected = reference_step0(target, head, ids[:, 1:], last[:, :-1])  # step 0 at position t reads token t+1
     torch.testing.assert_close(seen[0], expected[:, : seen[0].shape[1]], atol=2e-5, rtol=2e-5)
 
@@ -105,7 +107,8 @@ def test_semantics_position0_carry_and_one_layer_for_every_step(target):
         a = head.step(torch.tensor([[5, 6, 7, 8]]), hidden, positions, attend)
         b = head.step(torch.tensor([[9, 6, 7, 8]]), hidden, positions, attend)
         assert torch.equal(a, b)  # the token at position 0 is never seen (its embedding is zeroed)
-        shifted = [head.step(tokens, hidden, positions + 1, attend) for tokens in (torch.tensor([[5, 6, 7, 8]]), torch.tensor([[9, 6, 7, 8]]))]
+        shifted = [head.step(torch.tensor([tokens]), hidden, positions + 1, attend)
+                   for tokens in ([5, 6, 7, 8], [9, 6, 7, 8])]
         assert not torch.equal(*[s[:, 0] for s in shifted])  # at any other position it is
         c = head.step(torch.tensor([[9, 6, 7, 8]]), hidden, positions, attend, depth=2)
         assert torch.equal(b, c)  # every step runs MTP layer 0, as the engine's proposer does
@@ -177,7 +180,7 @@ def test_export_holds_the_checkpoint_keys_and_transformers_reads_them_back(targe
     for path in over.iterdir():
         (served / path.name).write_bytes(path.read_bytes())
     reloaded = load_target(TargetConfig(name=str(served)))
-    again = build_head(HeadConfig(kind="mtp"), reloaded, torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.bool))
+    again = build_head(HeadConfig(kind="mtp"), reloaded, *NO_DRAFT_VOCAB)
     for key, value in head.layer.state_dict().items():
         torch.testing.assert_close(again.layer.state_dict()[key], value, msg=key)
     # a sharded checkpoint: the export re-points the index and rewrites the shard holding the stale layer
