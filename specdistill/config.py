@@ -52,7 +52,8 @@ class RandomTargetConfig:
     num_key_value_heads: int = 1
     max_position_embeddings: int = 2048
     seed: int = 0
-    family: str = "llama"  # llama | mistral | qwen2 | qwen3 | qwen3_moe | gemma3 | phi3 | gpt_oss | glm4_moe | deepseek_v3
+    family: str = "llama"  # llama | mistral | qwen2 | qwen3 | qwen3_moe | gemma3 | phi3 | gpt_oss, or with MTP layers:
+    #                        glm4_moe | deepseek_v3 | qwen3_next | mimo
 
 
 @dataclass

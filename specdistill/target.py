@@ -205,10 +205,17 @@ def _embedded_dir() -> Path:
 
 
 def save_hf_folder(model, tokenizer, out: Path) -> Path:
-    """Model and tokenizer as one HF folder, written whole or not at all."""
+    """Model and tokenizer as one HF folder, written whole or not at all. The config keeps the architecture it
+    declares (transformers writes its class's: Qwen2ForCausalLM for a MiMo checkpoint, which vLLM then serves
+    without its MTP layers)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    declared = model.config.architectures
     model.save_pretrained(tmp, safe_serialization=True)
+    if declared and declared != model.config.architectures:
+        model.config.architectures = declared
+        config_file = tmp / "config.json"
+        config_file.write_text(json.dumps(json.loads(config_file.read_text()) | {"architectures": declared}, indent=2))
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
@@ -259,6 +266,14 @@ RANDOM_FAMILIES = {
                                          "num_attention_heads": 2, "num_key_value_heads": 2,  # MLA: one key per head
                                          "topk_method": "noaux_tc", "scoring_func": "sigmoid",  # as released; vLLM reads them
                                          "num_nextn_predict_layers": 1}),
+    # gated DeltaNet layers with a full-attention layer every fourth; vLLM's CPU kernels need linear heads 128 wide
+    "qwen3_next": ("Qwen3NextConfig", {"moe_intermediate_size": 64, "shared_expert_intermediate_size": 64,
+                                       "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+                                       "mlp_only_layers": [], "linear_num_value_heads": 2, "linear_num_key_heads": 1,
+                                       "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                                       "num_nextn_predict_layers": 1}),
+    # MiMo: a Qwen2 model whose checkpoint adds MTP layers; transformers reads it as Qwen2, vLLM by its architecture
+    "mimo": ("Qwen2Config", {"architectures": ["MiMoForCausalLM"], "num_nextn_predict_layers": 1}),
 }
 
 
@@ -366,6 +381,18 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
         if isinstance(getattr(base, name, None), nn.ModuleList):
             return getattr(base, name)
     raise TypeError(f"cannot find the decoder layers of {type(model).__name__}")
+
+
+def require_kv_cache(model: nn.Module, what: str) -> None:
+    """Our decoding loops (local regeneration, the tree and chain evaluators) keep, trim and roll back a KV cache per
+    layer; a linear-attention layer (Qwen3-Next's gated DeltaNet) keeps a recurrent state instead, which they cannot
+    roll back. Refuse such a target by name before any work."""
+    layer_types = getattr(model.config, "layer_types", None) or []
+    if "linear_attention" in layer_types:
+        raise ConfigError(
+            f"{what}: the target {type(model).__name__} has linear-attention layers, whose recurrent state our "
+            "KV-cache decoding cannot roll back. Regenerate with data.generation.backend=openai (a vLLM server) or "
+            "data.regenerate=false, and measure acceptance in the engine (scripts/mtp_stale.py family=qwen3_next)")
 
 
 @functools.cache

@@ -1,4 +1,4 @@
-"""A target's own MTP module (GLM-4.5, DeepSeek-V3 families, tiny random): built from the target's transformers
+"""A target's own MTP module (GLM-4.5, DeepSeek-V3, Qwen3-Next, MiMo families, tiny random): built from the target's transformers
 classes, run with vLLM's semantics (each pinned here), drafted as it was trained, and exported in the keys of the
 target's own checkpoint, which transformers reads back into the same module."""
 
@@ -11,18 +11,24 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers.modeling_layers import MtpLayer
 
-from specdistill.config import HeadConfig, RandomTargetConfig, TargetConfig
+from specdistill.config import ConfigError, HeadConfig, RandomTargetConfig, TargetConfig
+from specdistill.data.generate import LocalGenerator
 from specdistill.export import common, export_mtp, native_mtp
 from specdistill.export.run import export_checkpoint
 from specdistill.heads import build_head, load_head, save_head
-from specdistill.heads.native_mtp import family_classes
-from specdistill.spec.decode import Drafter
+from specdistill.heads.native_mtp import (
+    MTP_FAMILIES,
+    family_classes,
+    family_name,
+    with_one_mtp_layer,
+)
+from specdistill.spec.decode import Drafter, plain_generate
 from specdistill.target import load_target, save_hf_folder
 from specdistill.train.loss import LOSSES
 from specdistill.train.ttt import unroll_ttt
 from tests.test_ttt import random_batch, random_teacher
 
-FAMILIES = ["glm4_moe", "deepseek_v3"]
+FAMILIES = ["glm4_moe", "deepseek_v3", "qwen3_next", "mimo"]
 NO_DRAFT_VOCAB = (torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.bool))  # the module drafts the full one
 
 
@@ -46,29 +52,34 @@ def native_head(target, seed=0):
 
 def reference_step0(target, head, ids, last):
     """transformers' own MtpLayer (eager attention, causal mask) fed as vLLM feeds it: the target's post-norm
-    output, the embedding zeroed at position 0; logits from the shared head's norm and the target's lm_head."""
+    output and the embedding, zeroed at position 0 where the family does; returns the layer's post-normed output."""
     config = transformers.AutoConfig.for_model(**head.config.target_config)
     config._attn_implementation, config._experts_implementation = "eager", "eager"
     layer_cls, norm_cls, rotary_cls = family_classes(config)
-    mtp_config = config.get_mtp_config()
+    mtp_config = with_one_mtp_layer(config).get_mtp_config()  # its concatenation order too
     ref = MtpLayer(mtp_config, layer_cls, norm_cls, 0).eval()
     ref.load_state_dict(head.layer.state_dict())
     T = ids.shape[1]
     positions = torch.arange(T)[None]
     emb = target.model.get_input_embeddings()(ids)
-    emb[:, 0] = 0
+    if family_of(target).masks_position0:
+        emb[:, 0] = 0
     mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
     hidden = target.model.get_decoder().norm(last)
-    out = ref(emb, hidden, rotary_cls(config=mtp_config)(emb, positions), mask, positions, None)  # post_norm applied
-    return target.model.get_output_embeddings()(out)
+    return ref(emb, hidden, rotary_cls(config=mtp_config)(emb, positions), mask, positions, None)
+
+
+def family_of(target):
+    return MTP_FAMILIES[family_name(target.config.to_dict())]
 
 
 def test_a_target_with_mtp_layers_gets_its_own_module(target):
     head = native_head(target)
     tc = target.config
     assert head.config.kind == "native_mtp" and head.config.draft_vocab_size == tc.vocab_size
-    assert type(head.layer.mtp_block).__name__ == type(target.model.get_decoder().layers[-1]).__name__
-    assert type(head.layer.mtp_block.mlp).__name__.endswith("MoE")  # an MTP layer is a MoE layer
+    last = target.model.get_decoder().layers[-1]  # a full-attention layer in every family here
+    assert type(head.layer.mtp_block) is type(last) and type(head.layer.mtp_block.mlp) is type(last.mlp)
+    assert getattr(head.layer.mtp_block, "layer_type", "full_attention") == "full_attention"  # Qwen3-Next
     # the engine drafts with the target's embedding and lm_head: frozen copies of them
     assert torch.equal(head.embed_tokens.weight, target.model.get_input_embeddings().weight)
     assert torch.equal(head.lm_head.weight, target.model.get_output_embeddings().weight)
@@ -87,14 +98,16 @@ def test_step0_is_the_engines_forward_of_transformers_own_layer(target):
     with torch.no_grad():
         unroll_ttt(head, batch, random_teacher(2, 9, head), 1, 0.8,
                    lambda lg, t: seen.append(lg) or LOSSES["forward_kl"](lg, t))
-        expected = reference_step0(target, head, ids[:, 1:], last[:, :-1])  # step 0 at position t reads token t+1
+        out = reference_step0(target, head, ids[:, 1:], last[:, :-1])  # step 0 at position t reads token t+1
+        expected = target.model.get_output_embeddings()(out)
     torch.testing.assert_close(seen[0], expected[:, : seen[0].shape[1]], atol=2e-5, rtol=2e-5)
 
 
 def test_semantics_position0_carry_and_one_layer_for_every_step(target):
     head = native_head(target)
     g = torch.Generator().manual_seed(1)
-    hidden = torch.randn(1, 4, target.hidden_size, generator=g)
+    last = torch.randn(1, 4, target.hidden_size, generator=g)
+    hidden = head.initial_hidden(None, last)
     positions = torch.arange(4)[None]
     keys, values = [], []
 
@@ -106,22 +119,21 @@ def test_semantics_position0_carry_and_one_layer_for_every_step(target):
     with torch.no_grad():
         a = head.step(torch.tensor([[5, 6, 7, 8]]), hidden, positions, attend)
         b = head.step(torch.tensor([[9, 6, 7, 8]]), hidden, positions, attend)
-        assert torch.equal(a, b)  # the token at position 0 is never seen (its embedding is zeroed)
+        # the token at position 0 is never seen (its embedding is zeroed), except on Qwen3-Next
+        assert torch.equal(a, b) == family_of(target).masks_position0
         shifted = [head.step(torch.tensor([tokens]), hidden, positions + 1, attend)
                    for tokens in ([5, 6, 7, 8], [9, 6, 7, 8])]
         assert not torch.equal(*[s[:, 0] for s in shifted])  # at any other position it is
         c = head.step(torch.tensor([[9, 6, 7, 8]]), hidden, positions, attend, depth=2)
         assert torch.equal(b, c)  # every step runs MTP layer 0, as the engine's proposer does
-        # DeepSeek-V3 carries the output after the shared head's norm, GLM-4.5 the one before it
-        normed_rms = a.pow(2).mean(-1).sqrt()
-        weight_rms = head.layer.post_norm.weight.pow(2).mean().sqrt()
-        carries_normed = torch.allclose(normed_rms, weight_rms.expand_as(normed_rms), rtol=0.1)
-        assert carries_normed == (target.config.model_type == "deepseek_v3")
-        logits = head.logits(a)
-        normed = a if carries_normed else head.layer.post_norm(a)
-        torch.testing.assert_close(logits, target.model.get_output_embeddings()(normed))
+        # the carried hidden: after the layer's final norm (DeepSeek-V3, Qwen3-Next, MiMo), before it (GLM-4.5)
+        normed = reference_step0(target, head, torch.tensor([[5, 6, 7, 8]]), last)
+        carries_normed = target.config.model_type != "glm4_moe"
+        torch.testing.assert_close(a if carries_normed else head.layer.post_norm(a), normed, atol=2e-5, rtol=2e-5)
+        assert not torch.allclose(head.layer.post_norm(a) if carries_normed else a, normed)
+        torch.testing.assert_close(head.logits(a), target.model.get_output_embeddings()(normed))
         # step 0 reads the target's output after its final norm
-        torch.testing.assert_close(head.initial_hidden(None, hidden), target.model.get_decoder().norm(hidden))
+        torch.testing.assert_close(hidden, target.model.get_decoder().norm(last))
 
 
 def test_drafting_reproduces_the_training_unroll(target):
@@ -153,12 +165,25 @@ def test_the_unroll_trains_the_module_only(target):
     assert not trained & {"embed_tokens.weight", "lm_head.weight", "target_norm.weight"}
 
 
-def checkpoint_keys_of_layer(target, layer: int) -> set[str]:
-    """The keys transformers writes for one of the target's own decoder layers, renumbered to `layer`."""
-    last = target.config.num_hidden_layers - 1
-    state = {k: v for k, v in target.model.state_dict().items() if k.startswith(f"model.layers.{last}.")}
+# where each family's released checkpoint holds MTP layer 0, as vLLM's loaders read it (written out here, not taken
+# from the code under test): the layer's own tensors, and the prefix of its decoder block's
+DEEPSEEK_OWN = ("enorm", "hnorm", "eh_proj", "shared_head.norm", "shared_head.head", "embed_tokens")
+CHECKPOINT_LAYOUT = {
+    "glm4_moe": ({f"model.layers.{{L}}.{k}.weight" for k in DEEPSEEK_OWN}, "model.layers.{L}."),
+    "deepseek_v3": ({f"model.layers.{{L}}.{k}.weight" for k in DEEPSEEK_OWN}, "model.layers.{L}."),
+    "qwen3_next": ({f"mtp.{k}.weight" for k in ("fc", "pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")},
+                   "mtp.layers.0."),
+    "mimo": ({f"model.mtp_layers.0.{k}.weight" for k in ("token_layernorm", "hidden_layernorm", "input_proj",
+                                                          "final_layernorm")}, "model.mtp_layers.0."),
+}
+
+
+def checkpoint_keys_of_layer(target, prefix: str) -> set[str]:
+    """The keys transformers writes for the target's last decoder layer, under `prefix`."""
+    last = f"model.layers.{target.config.num_hidden_layers - 1}."
+    state = {k: v for k, v in target.model.state_dict().items() if k.startswith(last)}
     reverted = transformers.core_model_loading.revert_weight_conversion(target.model, state)
-    return {k.replace(f"model.layers.{last}.", f"model.layers.{layer}.") for k in reverted}
+    return {prefix + k.removeprefix(last) for k in reverted}
 
 
 def test_export_holds_the_checkpoint_keys_and_transformers_reads_them_back(target, tmp_path):
@@ -167,13 +192,13 @@ def test_export_holds_the_checkpoint_keys_and_transformers_reads_them_back(targe
     served = save_hf_folder(target.model, target.tokenizer, tmp_path / "target")
     out = export_mtp(head, tmp_path / "export", "float32")
     tensors = load_file(str(out / native_mtp.WEIGHTS_FILE))
-    extras = {f"model.layers.{L}.{k}" for k in ("enorm.weight", "hnorm.weight", "eh_proj.weight",
-                                                "shared_head.norm.weight", "shared_head.head.weight",
-                                                "embed_tokens.weight")}
-    assert set(tensors) == checkpoint_keys_of_layer(target, L) | extras
-    assert any(".mlp.experts.0.gate_proj.weight" in k for k in tensors)  # experts one by one, as checkpoints hold them
+    own, block = CHECKPOINT_LAYOUT[family_name(target.config.to_dict())]
+    assert set(tensors) == checkpoint_keys_of_layer(target, block.format(L=L)) | {k.format(L=L) for k in own}
+    if hasattr(head.layer.mtp_block.mlp, "experts"):  # experts one by one, as checkpoints hold them
+        assert any(".mlp.experts.0.gate_proj.weight" in k for k in tensors)
     config = json.loads((out / common.CONFIG_FILE).read_text())
-    assert config["num_nextn_predict_layers"] == 1 and config["architectures"] == [type(target.model).__name__]
+    assert config["num_nextn_predict_layers"] == 1
+    assert config["architectures"] == (target.config.architectures or [type(target.model).__name__])
     # laid over the one-file target, its model.safetensors holds the layer; a new module starts where this one ended
     over = export_mtp(head, tmp_path / "over", "float32", served)
     assert sorted(p.name for p in over.iterdir()) == ["config.json", "model.safetensors"]
@@ -243,3 +268,14 @@ def test_the_export_stage_replaces_the_stale_layer_of_the_targets_own_folder(tmp
     assert not set(load_file(str(out / shard))) & set(stale)  # the stale layer left the shard the export rewrote
     index = json.loads((out / common.INDEX_FILE).read_text())["weight_map"]
     assert {k for k, v in index.items() if v == native_mtp.WEIGHTS_FILE} == set(stale)
+
+
+def test_kv_cache_decoding_refuses_a_linear_attention_target_by_name():
+    """Qwen3-Next's gated DeltaNet layers keep a recurrent state that our KV-cache loops cannot roll back: they
+    refuse the target before decoding a token, instead of failing inside transformers' cache."""
+    target = random_target("qwen3_next")
+    with pytest.raises(ConfigError, match="local generation: the target Qwen3NextForCausalLM has linear-attention"):
+        LocalGenerator(target.model, 0, [1], 4)
+    with pytest.raises(ConfigError, match="plain decoding: .*data.regenerate=false"):
+        plain_generate(target.model, [[5, 6, 7]], 4, {1})
+    LocalGenerator(random_target("mimo").model, 0, [1], 4)  # attention layers only: accepted

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from specdistill.target import with_kv_cache
+from specdistill.target import require_kv_cache, with_kv_cache
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +158,7 @@ class LocalGenerator:
 
     def __init__(self, model, pad_token_id: int, stop_token_ids: list[int], batch_size: int,
                  num_tokens: int | None = None):
+        require_kv_cache(model, "local generation")
         self.model = model
         self.device = next(model.parameters()).device
         self.pad_token_id = pad_token_id

@@ -1,11 +1,16 @@
 """A target's own MTP layer, in the keys of its own checkpoint: the fine-tuned module replaces the stale one.
 
-DeepSeek-V3 and GLM-4.5 hold MTP layer k as decoder layer L+k (L = `num_hidden_layers`):
-`model.layers.{L}.{enorm,hnorm,eh_proj,shared_head.norm,shared_head.head,embed_tokens}` beside the block's own
-keys, which are written as the target's checkpoint writes its layers (transformers' conversion reverted: MoE
-experts one by one, as the released checkpoints hold them). vLLM (`deepseek_mtp.py`, `glm4_moe_mtp.py`) and
-SGLang (`deepseek_nextn.py`) load them with `speculative_config={"method": "mtp"}`; both engines then draft with
-the target's embedding and lm_head, whose copies here are the target's own.
+Where each family's checkpoint holds MTP layer 0 (L = `num_hidden_layers`), as vLLM (`deepseek_mtp.py`,
+`glm4_moe_mtp.py`, `qwen3_next_mtp.py`, `mimo_mtp.py`) and SGLang load it with `speculative_config={"method": "mtp"}`:
+
+- DeepSeek-V3, GLM-4.5: `model.layers.{L}.{enorm,hnorm,eh_proj,shared_head.norm}` beside the block's keys, plus the
+  layer's copies of the embedding and head (`embed_tokens`, `shared_head.head`: here the target's own);
+- Qwen3-Next: `mtp.{pre_fc_norm_embedding,pre_fc_norm_hidden,fc,norm}` and the block under `mtp.layers.0.`;
+- MiMo: `model.mtp_layers.0.{token_layernorm,hidden_layernorm,input_proj,final_layernorm}` beside the block's keys.
+
+The block's keys are written as the target's checkpoint writes its layers (transformers' conversion reverted: MoE
+experts one by one, as the released checkpoints hold them). The engines draft with the target's embedding and
+lm_head.
 
 Output: `mtp.safetensors` and config.json (the target checkpoint's, else the one the head recorded, with
 `num_nextn_predict_layers: 1`). Given the target's checkpoint dir: for a sharded one, also its index with the MTP
@@ -26,24 +31,28 @@ from transformers import AutoModelForCausalLM
 from transformers.core_model_loading import revert_weight_conversion
 
 from specdistill.export import common
-from specdistill.heads.native_mtp import MODULE_KEYS
+from specdistill.heads.native_mtp import layer_prefixes
 
 NAME = "native_mtp"
 WEIGHTS_FILE = "mtp.safetensors"
 
 
 def checkpoint_tensors(head) -> dict[str, torch.Tensor]:
-    """The head's MTP layer under the target checkpoint's keys (layer L = the target's num_hidden_layers)."""
+    """The head's MTP layer under the target checkpoint's keys."""
     hf_config = head.config.hf_config()
-    prefix = f"model.layers.{hf_config.num_hidden_layers}."
+    family = head.family
+    L = hf_config.num_hidden_layers
+    own_prefix, block_prefix = layer_prefixes(family, L)
     layer = head.layer.state_dict()
     with torch.device("meta"):  # only its conversion mapping is read: no weights are made
         shell = AutoModelForCausalLM.from_config(hf_config)
-    block = revert_weight_conversion(shell, {prefix + k.removeprefix("mtp_block."): v.detach().cpu()
+    as_layer = f"model.layers.{L}."  # the conversion is written for the target's own layers
+    block = revert_weight_conversion(shell, {as_layer + k.removeprefix("mtp_block."): v.detach().cpu()
                                              for k, v in layer.items() if k.startswith("mtp_block.")})
-    own = {prefix + theirs: layer[ours].detach().cpu() for ours, theirs in MODULE_KEYS.items()}
-    shared = {prefix + "embed_tokens.weight": head.embed_tokens.weight.detach().cpu(),
-              prefix + "shared_head.head.weight": head.lm_head.weight.detach().cpu()}
+    block = {block_prefix + k.removeprefix(as_layer): v for k, v in block.items()}
+    own = {own_prefix + theirs: layer[ours].detach().cpu() for ours, theirs in family.module_keys.items()}
+    shared = {own_prefix + "embed_tokens.weight": head.embed_tokens.weight.detach().cpu(),
+              own_prefix + "shared_head.head.weight": head.lm_head.weight.detach().cpu()} if family.holds_shared else {}
     return block | own | shared
 
 

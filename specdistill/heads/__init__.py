@@ -115,14 +115,16 @@ def build_native_mtp(target) -> NativeMTPHead:
     tc = target.config
     vocab = tc.vocab_size
     head = NativeMTPHead(NativeMTPConfig(
-        target_config=tc.to_dict() | {"architectures": [type(target.model).__name__]}, vocab_size=vocab,
+        target_config=tc.to_dict() | {"architectures": tc.architectures or [type(target.model).__name__]},
+        vocab_size=vocab,
         draft_vocab_size=vocab, target_hidden_size=tc.hidden_size, aux_layer_ids=list(target.layer_ids),
         target_num_layers=tc.num_hidden_layers, target_name=target.name,
         target_embedding=embedding_fingerprint(target.model.get_input_embeddings().weight)))
     model = target.model
     head.init_from_target(model.get_input_embeddings().weight.float(), model.get_output_embeddings().weight.float(),
                           torch.zeros(vocab, dtype=torch.long), torch.ones(vocab, dtype=torch.bool))
-    log.info("MTP head: %s's own MTP module, started from %s", tc.model_type, head.init_module(model))
+    log.info("MTP head: %s's own MTP module, started from %s", head.config.target_config["architectures"][0],
+             head.init_module(model))
     return head
 
 

@@ -31,7 +31,7 @@ from specdistill.heads.layers import cached_attention
 from specdistill.spec.kv import compact_cache
 from specdistill.spec.tree import Tree, chain_tree, grow_dynamic_tree, static_tree
 from specdistill.spec.verify import Verdict, sampling_probs, verify_greedy, verify_rejection
-from specdistill.target import TargetOutput, TargetRunner, with_kv_cache
+from specdistill.target import TargetOutput, TargetRunner, require_kv_cache, with_kv_cache
 
 HEAD_SHAPES = ("tree", "chain", "sampled")
 
@@ -332,6 +332,7 @@ def speculative_generate(runner: TargetRunner, proposer, prompts: list[list[int]
                          pad_id: int = 0) -> GenerationStats:
     """Speculative generation of a batch of prompts. Temperature 0 equals plain greedy decoding; above
     0, the committed tokens are distributed as sampling from the target."""
+    require_kv_cache(runner.target.model, "speculative decoding")
     device = next(runner.target.model.parameters()).device
     clock = _Clock(device)
     stats = GenerationStats(tokens=[[] for _ in prompts], accepted=[[] for _ in prompts])
@@ -394,6 +395,7 @@ def plain_generate(model, prompts: list[list[int]], max_new_tokens: int, eos: se
                    pad_id: int = 0) -> list[list[int]]:
     """Plain decoding with a KV cache, one token per forward: the baseline for speed and, at
     temperature 0, the reference for the lossless check."""
+    require_kv_cache(model, "plain decoding")
     device = next(model.parameters()).device
     cache = DynamicCache()
     ids_BT, valid_BL = left_pad(prompts, pad_id, device)
