@@ -8,10 +8,10 @@ beside our own chain, in float32.
     python scripts/mtp_stale.py family=mimo out=mtp_stale_mimo
     python scripts/mtp_stale.py family=qwen3_next out=mtp_stale_q3n
 
-Qwen3-Next differs (`ENGINE_ONLY`): its linear-attention layers keep a recurrent state our KV-cache decoding cannot
-roll back, so the data is not regenerated (the fixed conversations of `tests/data/learning.jsonl`, with the target's
-own distributions as the teacher), no stage of ours decodes, and vLLM's counts stand alone, in bfloat16 (vLLM's CPU
-kernels for those layers run bf16 only).
+Qwen3-Next differs (`REPLAYED`): its linear-attention layers keep a recurrent state our batched KV-cache decoding
+cannot roll back, so the data is not regenerated (the fixed conversations of `tests/data/learning.jsonl`, with the
+target's own distributions as the teacher), the evaluate stage does not run, and our chain (one prompt at a time,
+replayed: `ReplayCache`) stands beside vLLM in bfloat16 (vLLM's CPU kernels for those layers run bf16 only).
 
 Each run's log and directory lie under `out`; the table is written to `<out>/stale.md`.
 """
@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from specdistill.config import EngineConfig, EvalConfig, RandomTargetConfig, TargetConfig
-from specdistill.evaluate.engine import engine_evaluation, laid_over
+from specdistill.evaluate.engine import engine_evaluation, laid_over, rounded
 from specdistill.export import export_mtp
 from specdistill.heads import load_head, trained_head_dir
 from specdistill.heads.native_mtp import MTP_FAMILIES, family_name, layer_prefixes
@@ -36,7 +36,7 @@ from specdistill.target import load_target, served_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ("embed_tokens.weight", "shared_head.head.weight")  # the engine drafts with the target's own
-ENGINE_ONLY = {"qwen3_next": ["data.source=jsonl", f"data.path={ROOT / 'tests' / 'data' / 'learning.jsonl'}",
+REPLAYED = {"qwen3_next": ["data.source=jsonl", f"data.path={ROOT / 'tests' / 'data' / 'learning.jsonl'}",
                               "data.regenerate=false", "data.max_length=512", "data.max_reject_share=0.5",
                               "train.epochs=4", "stages=[prepare,capture,train]"]}
 
@@ -47,27 +47,28 @@ def pipeline(out: Path, name: str, family: str, model: Path | None = None, *over
     args = ["+exp=smoke", "head=mtp", f"name={name}", f"run_root={out}", "data.synth.num_conversations=128",
             "data.synth.batch_size=64", "train.epochs=8", "train.lr=3e-3", "eval.limit=8", "eval.max_new_tokens=48",
             "eval.engine.name=vllm", "eval.engine.dtype=float32", "target.random.max_position_embeddings=8192",
-            f"target.random.family={family}", *ENGINE_ONLY.get(family, []),
+            f"target.random.family={family}", *REPLAYED.get(family, []),
             *([f"target.name={model}"] if model else []), *overrides]
     with open(out / f"{name}.log", "w") as log:
         proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, stdout=log, stderr=log)
     if proc.returncode:
         sys.exit(f"run {name} failed; its log is {out / f'{name}.log'}")
-    if family not in ENGINE_ONLY:
+    if family not in REPLAYED:
         return json.loads((out / name / "eval" / "engine.json").read_text())
     target = TargetConfig(name=str(model) if model else "random",
                           random=RandomTargetConfig(family=family, max_position_embeddings=8192))
-    return served_alone(out / name, target)
+    return served_beside_ours(out / name, target)
 
 
-def served_alone(run_dir: Path, target: TargetConfig) -> dict:
-    """The run's trained module laid over its target and served by vLLM in bfloat16, without our chain."""
+def served_beside_ours(run_dir: Path, target: TargetConfig) -> dict:
+    """The run's trained module laid over its target and served by vLLM in bfloat16, beside our chain."""
     target_dir = served_dir(target)
     work = run_dir / "eval" / "engine"
-    export = export_mtp(load_head(trained_head_dir(run_dir)), work / "native_mtp-export", "bfloat16", target_dir)
+    head = rounded(load_head(trained_head_dir(run_dir)), "bfloat16")
+    export = export_mtp(head, work / "native_mtp-export", "bfloat16", target_dir)
     exports = {"native_mtp": laid_over(export, target_dir, work / "native_mtp")}
     return engine_evaluation(EngineConfig(name="vllm", dtype="bfloat16"), EvalConfig(limit=8, max_new_tokens=48),
-                             load_target(target), None, exports, target_dir, run_dir / "eval", with_ours=False)
+                             load_target(target), head, exports, target_dir, run_dir / "eval")
 
 
 def perturbed(model: Path, out: Path, noise: float, seed: int = 0) -> Path:
@@ -89,8 +90,6 @@ def perturbed(model: Path, out: Path, noise: float, seed: int = 0) -> Path:
 def row(name: str, report: dict) -> str:
     m, ours = report["layouts"]["native_mtp"], report["ours"]
     n = report["num_prompts"]
-    if ours is None:
-        return f"| {name} | {m['tau']:.3f} | not run | {m['accepted_per_pos']} | - | - | {m['outputs_equal_plain']}/{n} |"
     return (f"| {name} | {m['tau']:.3f} | {ours['tau']:.3f} | {m['accepted_per_pos']} | "
             f"{'yes' if m['counters_equal_ours'] else 'no'} | {report['plain']['outputs_equal_ours']}/{n} | "
             f"{m['outputs_equal_plain']}/{n} |")

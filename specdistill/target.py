@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from specdistill.config import EMBEDDED_TARGET, RANDOM_TARGET, ConfigError, RunConfig, TargetConfig
+from specdistill.spec.kv import ReplayCache
 
 log = logging.getLogger(__name__)
 
@@ -383,16 +384,21 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     raise TypeError(f"cannot find the decoder layers of {type(model).__name__}")
 
 
+def keeps_recurrent_state(model: nn.Module) -> bool:
+    """The target has linear-attention layers (Qwen3-Next's gated DeltaNet): a recurrent state, not a KV cache."""
+    return "linear_attention" in (getattr(model.config, "layer_types", None) or [])
+
+
 def require_kv_cache(model: nn.Module, what: str) -> None:
-    """Our decoding loops (local regeneration, the tree and chain evaluators) keep, trim and roll back a KV cache per
-    layer; a linear-attention layer (Qwen3-Next's gated DeltaNet) keeps a recurrent state instead, which they cannot
-    roll back. Refuse such a target by name before any work."""
-    layer_types = getattr(model.config, "layer_types", None) or []
-    if "linear_attention" in layer_types:
+    """Our batched decoding (local regeneration, plain decoding, the tree evaluator) keeps, trims and rolls back a KV
+    cache per layer, which a recurrent state cannot do. Refuse such a target by name before any work (only one
+    row drafting a chain is replayed exactly: `ReplayCache`)."""
+    if keeps_recurrent_state(model):
         raise ConfigError(
             f"{what}: the target {type(model).__name__} has linear-attention layers, whose recurrent state our "
-            "KV-cache decoding cannot roll back. Regenerate with data.generation.backend=openai (a vLLM server) or "
-            "data.regenerate=false, and measure acceptance in the engine (scripts/mtp_stale.py family=qwen3_next)")
+            "batched KV-cache decoding cannot roll back. Regenerate with data.generation.backend=openai (a vLLM "
+            "server) or data.regenerate=false, and measure acceptance with eval.engine against our chain "
+            "(scripts/mtp_stale.py family=qwen3_next)")
 
 
 @functools.cache
@@ -435,6 +441,12 @@ class TargetRunner:
     @torch.inference_mode()
     def __call__(self, input_ids, attention_mask=None, position_ids=None, cache=None,
                  with_logits: bool = True) -> TargetOutput:
+        """The captured features (and logits) at `input_ids`, after what `cache` holds: a transformers cache, or a
+        ReplayCache whose committed tokens run again in front of them."""
+        wanted = input_ids.shape[1]
+        if isinstance(cache, ReplayCache):
+            input_ids, attention_mask, position_ids = cache.replay(input_ids, attention_mask, position_ids)
+            cache = None
         handles = [self.layers[i].register_forward_hook(self._hook(i)) for i in self.wanted]
         try:
             out = self.base(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -443,9 +455,9 @@ class TargetRunner:
             for h in handles:
                 h.remove()
         captured, self._captured = self._captured, {}
-        aux = torch.cat([captured[i] for i in self.target.layer_ids], dim=-1)
-        last = captured[len(self.layers) - 1]
-        logits = self.target.model.get_output_embeddings()(out.last_hidden_state) if with_logits else None
+        aux = torch.cat([captured[i][:, -wanted:] for i in self.target.layer_ids], dim=-1)
+        last = captured[len(self.layers) - 1][:, -wanted:]
+        logits = self.target.model.get_output_embeddings()(out.last_hidden_state[:, -wanted:]) if with_logits else None
         return TargetOutput(aux, last, logits)
 
     def final_norm(self) -> nn.Module:

@@ -84,11 +84,6 @@ def test_compare_reports_any_float32_difference_and_bf16_beyond_tolerance():
     warned = compare(ours, served([[1, 2], [3, 4]], dict(ours), ["weights not found: fc.weight"]), plain,
                      [[1, 2], [3, 4]], "float32")
     assert "did not load" in warned["finding"]
-    # the engine alone (a target our decoding cannot run): its counts and lossless check, nothing beside ours
-    alone = compare(None, served([[1, 2], [3, 5]], dict(ours), ["weights not found: fc.weight"]), plain, None,
-                    "bfloat16")
-    assert alone["tau"] == 2.5 and alone["outputs_equal_plain"] == 1 and "counters_equal_ours" not in alone
-    assert alone["finding"] == "the engine reported weights it did not load"
 
 
 def test_tau_z_is_the_difference_in_standard_errors():

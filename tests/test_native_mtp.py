@@ -22,8 +22,15 @@ from specdistill.heads.native_mtp import (
     family_name,
     with_one_mtp_layer,
 )
-from specdistill.spec.decode import Drafter, plain_generate
-from specdistill.target import load_target, save_hf_folder
+from specdistill.spec import decode
+from specdistill.spec.decode import (
+    Drafter,
+    HeadProposer,
+    LookupProposer,
+    plain_generate,
+    speculative_generate,
+)
+from specdistill.target import TargetRunner, load_target, save_hf_folder
 from specdistill.train.loss import LOSSES
 from specdistill.train.ttt import unroll_ttt
 from tests.test_ttt import random_batch, random_teacher
@@ -270,12 +277,48 @@ def test_the_export_stage_replaces_the_stale_layer_of_the_targets_own_folder(tmp
     assert {k for k, v in index.items() if v == native_mtp.WEIGHTS_FILE} == set(stale)
 
 
-def test_kv_cache_decoding_refuses_a_linear_attention_target_by_name():
-    """Qwen3-Next's gated DeltaNet layers keep a recurrent state that our KV-cache loops cannot roll back: they
-    refuse the target before decoding a token, instead of failing inside transformers' cache."""
+def test_batched_kv_cache_decoding_refuses_a_linear_attention_target_by_name():
+    """Qwen3-Next's gated DeltaNet layers keep a recurrent state that our batched KV-cache loops cannot roll back:
+    they refuse the target before decoding a token, instead of failing inside transformers' cache."""
     target = random_target("qwen3_next")
     with pytest.raises(ConfigError, match="local generation: the target Qwen3NextForCausalLM has linear-attention"):
         LocalGenerator(target.model, 0, [1], 4)
     with pytest.raises(ConfigError, match="plain decoding: .*data.regenerate=false"):
         plain_generate(target.model, [[5, 6, 7]], 4, {1})
+    head = native_head(target)
+    with pytest.raises(ConfigError, match="speculative decoding of a batch"):
+        speculative_generate(TargetRunner(target), HeadProposer(head, target.vocab_size, "chain", 3), [[5], [6]], 4,
+                             {1})
+    with pytest.raises(ValueError, match="verifies a chain of drafts"):
+        speculative_generate(TargetRunner(target), HeadProposer(head, target.vocab_size, "tree", 3, 2, 6), [[5, 6]],
+                             4, {1})
     LocalGenerator(random_target("mimo").model, 0, [1], 4)  # attention layers only: accepted
+
+
+def test_a_replayed_row_decodes_and_accepts_as_the_kv_cache_does(monkeypatch):
+    """ReplayCache (the whole sequence again each round, for a recurrent target) against the KV cache on a target
+    that has one: the same tokens and the same accepted drafts, round by round."""
+    target = load_target(TargetConfig(name="random"))
+    prompt = [[5, 17, 42, 99, 7, 300, 11, 5, 17, 42]]  # prompt lookup then accepts 0 to 3 drafts a round
+
+    def generate(replayed: bool):
+        monkeypatch.setattr(decode, "keeps_recurrent_state", lambda model: replayed)
+        return speculative_generate(TargetRunner(target), LookupProposer(3, 2), prompt, 40, target.eos_ids)
+
+    kv, replayed = generate(False), generate(True)
+    assert replayed.tokens == kv.tokens and replayed.accepted == kv.accepted
+    assert {0, 3} <= set(kv.accepted[0])
+
+
+def test_our_chain_on_a_recurrent_target_is_its_greedy_decode():
+    """On Qwen3-Next the replayed chain equals greedy decoding by full forwards, token for token."""
+    target = random_target("qwen3_next")
+    head = native_head(target)
+    prompt = [5, 17, 42, 99, 7, 300, 11]
+    stats = speculative_generate(TargetRunner(target), HeadProposer(head, target.vocab_size, "chain", 3), [prompt], 12,
+                                 target.eos_ids)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(12):
+            ids.append(int(target.model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert stats.tokens[0] == ids[len(prompt):]

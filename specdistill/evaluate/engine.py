@@ -33,7 +33,7 @@ from specdistill.export.common import CONFIG_FILE, DTYPES, WEIGHTS_FILE, read_co
 from specdistill.export.reader import detect_layout
 from specdistill.io import atomic_dir, write_json
 from specdistill.spec.decode import GREEDY, HeadProposer, speculative_generate
-from specdistill.target import Target, TargetRunner, computing_in, served_dir
+from specdistill.target import Target, TargetRunner, computing_in, keeps_recurrent_state, served_dir
 
 log = logging.getLogger(__name__)
 WORKERS = {"vllm": Path(__file__).with_name("vllm_worker.py")}
@@ -109,8 +109,9 @@ def our_chain(target: Target, head, ev: EvalConfig, k: int) -> tuple[list[list[i
     items, _ = load_prompts(ev.bench, ev.limit, ev.max_turns, ev.split)
     runner, proposer = TargetRunner(target), HeadProposer(head, target.vocab_size, "chain", k)
     prompts, outputs, rounds, answers = [], [], [], [[] for _ in items]
+    batch_size = 1 if keeps_recurrent_state(target.model) else ev.batch_size  # one row is replayed (ReplayCache)
     bar = tqdm(total=sum(len(it) for it in items), desc=f"our chain of {k}", unit="prompt")
-    for turn, chunk in turn_batches(items, ev.batch_size):
+    for turn, chunk in turn_batches(items, batch_size):
         ids = [conversation_ids(target.tokenizer, items[i][: turn + 1], answers[i]) for i in chunk]
         stats = speculative_generate(runner, proposer, ids, ev.max_new_tokens, target.eos_ids, GREEDY, None,
                                      target.tokenizer.pad_token_id)
@@ -165,9 +166,8 @@ def root_cause(message: str) -> str:
     return f"{cause} ({first})"
 
 
-def compare(ours: dict | None, served: dict, plain: dict, our_outputs: list[list[int]] | None, dtype: str) -> dict:
-    """One layout's engine run beside ours (None: the engine alone): counters, tau ratio, lossless check, speed, and
-    any finding."""
+def compare(ours: dict, served: dict, plain: dict, our_outputs: list[list[int]], dtype: str) -> dict:
+    """One layout's engine run beside ours: counters, tau ratio, lossless check, speed, and any finding."""
     counters = served["counters"]
     new_tokens = sum(len(o) for o in served["outputs"])
     mismatched = [i for i, (a, b) in enumerate(zip(served["outputs"], plain["outputs"])) if a != b]
@@ -176,22 +176,18 @@ def compare(ours: dict | None, served: dict, plain: dict, our_outputs: list[list
         "tau": tau_of(counters),
         "acceptance_per_pos": [a / counters["drafts"] if counters["drafts"] else 0.0
                                for a in counters["accepted_per_pos"]],
+        "counters_equal_ours": all(counters[key] == ours[key] for key in ("drafts", "accepted", "accepted_per_pos")),
+        "tau_ratio_to_ours": tau_of(counters) / tau_of(ours),
+        "tau_z_to_ours": tau_z(counters, ours),
         "outputs_equal_plain": len(served["outputs"]) - len(mismatched),
         "mismatched_prompts": mismatched,
+        "outputs_equal_ours": sum(a == b for a, b in zip(served["outputs"], our_outputs)),
         "new_tokens": new_tokens,
         "wall_s": served["wall_s"],
         "load_s": served["load_s"],
         "tokens_per_s": new_tokens / served["wall_s"] if served["wall_s"] else 0.0,
         "speedup_vs_plain": plain["wall_s"] / served["wall_s"] if served["wall_s"] else 0.0,
         "weight_warnings": served["weight_warnings"],
-    }
-    if ours is None:
-        return {**entry, "finding": "the engine reported weights it did not load" if entry["weight_warnings"] else None}
-    entry |= {
-        "counters_equal_ours": all(counters[key] == ours[key] for key in ("drafts", "accepted", "accepted_per_pos")),
-        "tau_ratio_to_ours": tau_of(counters) / tau_of(ours),
-        "tau_z_to_ours": tau_z(counters, ours),
-        "outputs_equal_ours": sum(a == b for a, b in zip(served["outputs"], our_outputs)),
     }
     return {**entry, "finding": finding_of(entry, ours, plain, our_outputs, dtype)}
 
@@ -225,23 +221,17 @@ def finding_of(entry: dict, ours: dict, plain: dict, our_outputs: list, dtype: s
 
 
 def engine_evaluation(ec: EngineConfig, ev: EvalConfig, target: Target, head, exports: dict[str, Path],
-                      target_dir: Path, out_dir: Path, with_ours: bool = True) -> dict:
+                      target_dir: Path, out_dir: Path) -> dict:
     """Serve each export in `exports` ({name: dir}, the layout read from its config) with the target in
-    `target_dir`; compare with `head` (the weights the exports hold) drafting as our chain. Without ours (a target
-    our KV-cache decoding cannot run, `require_kv_cache`) the engine's counts stand alone, over first turns. Writes
+    `target_dir`; compare with `head` (the weights the exports hold) drafting as our chain. Writes
     `<out_dir>/engine.json` and returns it."""
     target = computing_in(target, ec.dtype)
+    head = head.to(device=next(target.model.parameters()).device, dtype=target.model.dtype).eval()
     k = ec.num_speculative_tokens
-    ours = our_outputs = None
-    if with_ours:
-        head = head.to(device=next(target.model.parameters()).device, dtype=target.model.dtype).eval()
-        log.info("our chain of %d on %s (%d prompts, %s)", k, ev.bench, ev.limit, ec.dtype)
-        prompts, our_outputs, rounds = our_chain(target, head, ev, k)
-        ours = {"drafter": f"chain of {k}", **chain_counters(rounds, k)}
-        ours["tau"] = tau_of(ours)
-    else:
-        items, _ = load_prompts(ev.bench, ev.limit, 1, ev.split)
-        prompts = [conversation_ids(target.tokenizer, item[:1], []) for item in items]
+    log.info("our chain of %d on %s (%d prompts, %s)", k, ev.bench, ev.limit, ec.dtype)
+    prompts, our_outputs, rounds = our_chain(target, head, ev, k)
+    ours = {"drafter": f"chain of {k}", **chain_counters(rounds, k)}
+    ours["tau"] = tau_of(ours)
     python, work = engine_python(ec.name, ec.python), out_dir / "engine"
     request = {"target": str(target_dir), "draft": None, "layout": None, "num_speculative_tokens": k,
                "dtype": ec.dtype, "enforce_eager": True, "max_model_len": target.config.max_position_embeddings,
@@ -255,7 +245,7 @@ def engine_evaluation(ec: EngineConfig, ev: EvalConfig, target: Target, head, ex
         "max_num_seqs": ec.max_num_seqs, "target_dir": str(target_dir), "ours": ours,
         "plain": {"wall_s": plain["wall_s"], "load_s": plain["load_s"], "new_tokens": plain_tokens,
                   "tokens_per_s": plain_tokens / plain["wall_s"] if plain["wall_s"] else 0.0,
-                  "outputs_equal_ours": None if ours is None else sum(map(list.__eq__, plain["outputs"], our_outputs))},
+                  "outputs_equal_ours": sum(a == b for a, b in zip(plain["outputs"], our_outputs))},
         "layouts": {},
     }
     for name, directory in exports.items():
@@ -276,19 +266,13 @@ def engine_evaluation(ec: EngineConfig, ev: EvalConfig, target: Target, head, ex
 
 def engine_summary_line(report: dict) -> str:
     """One line per layout: engine tau beside ours, their ratio, and the lossless count."""
-    ours, n = report["ours"], report["num_prompts"]
-
-    def part(layout: str, m: dict) -> str:
-        if m.get("failed"):
-            return f"{layout} FAILED (see engine.json)"
-        ratio = "" if ours is None else f"{m['tau_ratio_to_ours']:.3f}x ours, "
-        finding = f", {m['finding']}" if m["finding"] else ""
-        return f"{layout} {m['tau']:.3f} ({ratio}outputs equal plain {m['outputs_equal_plain']}/{n}{finding})"
-
-    our_tau = "not run (the target is not KV-cache decodable)" if ours is None else f"{ours['tau']:.3f}"
-    parts = "; ".join(part(layout, m) for layout, m in report["layouts"].items())
+    ours = report["ours"]
+    parts = [f"{layout} FAILED (see engine.json)" if m.get("failed") else
+             f"{layout} {m['tau']:.3f} ({m['tau_ratio_to_ours']:.3f}x ours, outputs equal plain "
+             f"{m['outputs_equal_plain']}/{report['num_prompts']}{', ' + m['finding'] if m['finding'] else ''})"
+             for layout, m in report["layouts"].items()]
     return (f"{report['engine']} {report['version']} tau ({report['dtype']}, {report['num_speculative_tokens']} "
-            f"speculative tokens): {parts}; ours (chain) {our_tau}")
+            f"speculative tokens): {'; '.join(parts)}; ours (chain) {ours['tau']:.3f}")
 
 
 def evaluate_in_engine(cfg: RunConfig, target: Target, head, out_dir: Path) -> dict:

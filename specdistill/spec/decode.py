@@ -28,10 +28,16 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from specdistill.heads.layers import cached_attention
-from specdistill.spec.kv import compact_cache
+from specdistill.spec.kv import ReplayCache, compact_cache
 from specdistill.spec.tree import Tree, chain_tree, grow_dynamic_tree, static_tree
 from specdistill.spec.verify import Verdict, sampling_probs, verify_greedy, verify_rejection
-from specdistill.target import TargetOutput, TargetRunner, require_kv_cache, with_kv_cache
+from specdistill.target import (
+    TargetOutput,
+    TargetRunner,
+    keeps_recurrent_state,
+    require_kv_cache,
+    with_kv_cache,
+)
 
 HEAD_SHAPES = ("tree", "chain", "sampled")
 
@@ -332,11 +338,13 @@ def speculative_generate(runner: TargetRunner, proposer, prompts: list[list[int]
                          pad_id: int = 0) -> GenerationStats:
     """Speculative generation of a batch of prompts. Temperature 0 equals plain greedy decoding; above
     0, the committed tokens are distributed as sampling from the target."""
-    require_kv_cache(runner.target.model, "speculative decoding")
-    device = next(runner.target.model.parameters()).device
+    model = runner.target.model
+    if keeps_recurrent_state(model) and len(prompts) > 1:
+        require_kv_cache(model, "speculative decoding of a batch")
+    device = next(model.parameters()).device
     clock = _Clock(device)
     stats = GenerationStats(tokens=[[] for _ in prompts], accepted=[[] for _ in prompts])
-    cache = DynamicCache()
+    cache = ReplayCache() if keeps_recurrent_state(model) else DynamicCache()
     ids_BT, valid_BL = left_pad(prompts, pad_id, device)
     mask, positions = prefill_inputs(valid_BL)
     out = runner(ids_BT, attention_mask=mask, position_ids=positions, cache=cache)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from torch import Tensor
 
 from specdistill.spec import kernels
@@ -47,9 +48,49 @@ def compact_kv(keys_BHLD: Tensor, values_BHLD: Tensor, tree_start: int, accept_n
         reference.compact_kv(keys_BHLD, values_BHLD, tree_start, accept_nodes_BS)
 
 
+class ReplayCache:
+    """The committed tokens of one row, replayed through the target at every verification, for a target whose
+    linear-attention layers (Qwen3-Next's gated DeltaNet) keep a recurrent state that no rejected draft can be
+    taken out of. Exact for one row drafting a chain, whose tokens the recurrence reads in order; each round
+    costs a forward over the whole sequence, so it serves checks on small targets (the engine comparison)."""
+
+    def __init__(self):
+        self.ids_BL = self.positions_BL = self.pending_BN = None
+
+    def replay(self, input_ids_BN: Tensor, mask: Tensor | None, position_ids_BN: Tensor) -> tuple[Tensor, Tensor | None,
+                                                                                                   Tensor]:
+        """The whole sequence to run: the committed tokens, then `input_ids` (a chain; the prefill when empty)."""
+        if input_ids_BN.shape[0] != 1:
+            raise ValueError(f"ReplayCache replays one row, got a batch of {input_ids_BN.shape[0]}")
+        if self.ids_BL is None:
+            self.ids_BL, self.positions_BL = input_ids_BN, position_ids_BN
+            return input_ids_BN, mask, position_ids_BN
+        N, L = input_ids_BN.shape[1], self.ids_BL.shape[1]
+        chain_NN = torch.ones(N, N, dtype=torch.bool, device=input_ids_BN.device).tril()
+        if mask is None or not torch.equal(mask[0, 0, :, L:].bool(), chain_NN):
+            raise ValueError("ReplayCache verifies a chain of drafts (draft shape `chain`), not a tree: a recurrent "
+                             "state reads tokens in one order")
+        self.pending_BN = input_ids_BN
+        causal_LL = torch.ones(L, L + N, dtype=torch.bool, device=mask.device).tril()
+        full_mask = torch.cat([causal_LL[None, None], mask.bool()], dim=2)
+        return (torch.cat([self.ids_BL, input_ids_BN], 1), full_mask,
+                torch.cat([self.positions_BL, position_ids_BN], 1))
+
+    def compact(self, accept_nodes_BS: Tensor, accept_len_B: Tensor) -> None:
+        """Commit the accepted path of the last chain (its root and accepted drafts)."""
+        path_BS = self.pending_BN[:, : int(accept_len_B.max()) + 1]
+        start = self.positions_BL[:, -1:] + 1
+        self.ids_BL = torch.cat([self.ids_BL, path_BS], 1)
+        self.positions_BL = torch.cat([self.positions_BL, start + torch.arange(path_BS.shape[1], device=start.device)], 1)
+
+
 def compact_cache(cache, tree_start: int, accept_nodes_BS: Tensor, accept_len_B: Tensor) -> int:
-    """Compact every layer of a transformers DynamicCache and crop it to tree_start + max(accept_len) + 1.
-    Returns the new cache length (the next round's prefix length for the longest row)."""
+    """Compact every layer of a transformers DynamicCache and crop it to tree_start + max(accept_len) + 1 (a
+    ReplayCache commits the accepted path instead). Returns the new cache length (the next round's prefix length
+    for the longest row)."""
+    if isinstance(cache, ReplayCache):
+        cache.compact(accept_nodes_BS, accept_len_B)
+        return tree_start + int(accept_len_B.max()) + 1
     new_length = tree_start + int(accept_len_B.max()) + 1
     for layer in cache.layers:
         compact_kv(layer.keys, layer.values, tree_start, accept_nodes_BS)
