@@ -443,7 +443,7 @@ class TargetRunner:
                  with_logits: bool = True) -> TargetOutput:
         """The captured features (and logits) at `input_ids`, after what `cache` holds: a transformers cache, or a
         ReplayCache whose committed tokens run again in front of them."""
-        wanted = input_ids.shape[1]
+        new = input_ids.shape[1]  # the positions asked for (a replay runs the committed ones in front of them)
         if isinstance(cache, ReplayCache):
             input_ids, attention_mask, position_ids = cache.replay(input_ids, attention_mask, position_ids)
             cache = None
@@ -455,9 +455,9 @@ class TargetRunner:
             for h in handles:
                 h.remove()
         captured, self._captured = self._captured, {}
-        aux = torch.cat([captured[i][:, -wanted:] for i in self.target.layer_ids], dim=-1)
-        last = captured[len(self.layers) - 1][:, -wanted:]
-        logits = self.target.model.get_output_embeddings()(out.last_hidden_state[:, -wanted:]) if with_logits else None
+        aux = torch.cat([captured[i][:, -new:] for i in self.target.layer_ids], dim=-1)
+        last = captured[len(self.layers) - 1][:, -new:]
+        logits = self.target.model.get_output_embeddings()(out.last_hidden_state[:, -new:]) if with_logits else None
         return TargetOutput(aux, last, logits)
 
     def final_norm(self) -> nn.Module:

@@ -57,9 +57,9 @@ class ReplayCache:
     def __init__(self):
         self.ids_BL = self.positions_BL = self.pending_BN = None
 
-    def replay(self, input_ids_BN: Tensor, mask: Tensor | None, position_ids_BN: Tensor) -> tuple[Tensor, Tensor | None,
-                                                                                                   Tensor]:
-        """The whole sequence to run: the committed tokens, then `input_ids` (a chain; the prefill when empty)."""
+    def replay(self, input_ids_BN: Tensor, mask: Tensor | None, position_ids_BN: Tensor) -> tuple[Tensor, ...]:
+        """(ids, mask, positions) of the whole sequence to run: the committed tokens, then `input_ids` (a chain; the
+        prefill when nothing is committed yet)."""
         if input_ids_BN.shape[0] != 1:
             raise ValueError(f"ReplayCache replays one row, got a batch of {input_ids_BN.shape[0]}")
         if self.ids_BL is None:
@@ -76,8 +76,8 @@ class ReplayCache:
         return (torch.cat([self.ids_BL, input_ids_BN], 1), full_mask,
                 torch.cat([self.positions_BL, position_ids_BN], 1))
 
-    def compact(self, accept_nodes_BS: Tensor, accept_len_B: Tensor) -> None:
-        """Commit the accepted path of the last chain (its root and accepted drafts)."""
+    def commit(self, accept_len_B: Tensor) -> None:
+        """Commit the accepted path of the last chain: its root and accepted drafts, in order."""
         path_BS = self.pending_BN[:, : int(accept_len_B.max()) + 1]
         start = self.positions_BL[:, -1:] + 1
         self.ids_BL = torch.cat([self.ids_BL, path_BS], 1)
@@ -88,10 +88,10 @@ def compact_cache(cache, tree_start: int, accept_nodes_BS: Tensor, accept_len_B:
     """Compact every layer of a transformers DynamicCache and crop it to tree_start + max(accept_len) + 1 (a
     ReplayCache commits the accepted path instead). Returns the new cache length (the next round's prefix length
     for the longest row)."""
-    if isinstance(cache, ReplayCache):
-        cache.compact(accept_nodes_BS, accept_len_B)
-        return tree_start + int(accept_len_B.max()) + 1
     new_length = tree_start + int(accept_len_B.max()) + 1
+    if isinstance(cache, ReplayCache):
+        cache.commit(accept_len_B)
+        return new_length
     for layer in cache.layers:
         compact_kv(layer.keys, layer.values, tree_start, accept_nodes_BS)
     extra = cache.get_seq_length() - new_length
