@@ -26,13 +26,12 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from specdistill.config import EngineConfig, EvalConfig, RandomTargetConfig, TargetConfig
-from specdistill.evaluate.engine import engine_evaluation, laid_over, rounded
-from specdistill.export import export_mtp
+from specdistill.config import EngineConfig, EvalConfig, RandomTargetConfig, RunConfig, TargetConfig
+from specdistill.evaluate.engine import evaluate_in_engine
 from specdistill.heads import load_head, trained_head_dir
 from specdistill.heads.native_mtp import MTP_FAMILIES, family_name, layer_prefixes
 from specdistill.io import save_tensors, write_table
-from specdistill.target import load_target, served_dir
+from specdistill.target import load_target
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ("embed_tokens.weight", "shared_head.head.weight")  # the engine drafts with the target's own
@@ -61,14 +60,11 @@ def pipeline(out: Path, name: str, family: str, model: Path | None = None, *over
 
 
 def served_beside_ours(run_dir: Path, target: TargetConfig) -> dict:
-    """The run's trained module laid over its target and served by vLLM in bfloat16, beside our chain."""
-    target_dir = served_dir(target)
-    work = run_dir / "eval" / "engine"
-    head = rounded(load_head(trained_head_dir(run_dir)), "bfloat16")
-    export = export_mtp(head, work / "native_mtp-export", "bfloat16", target_dir)
-    exports = {"native_mtp": laid_over(export, target_dir, work / "native_mtp")}
-    return engine_evaluation(EngineConfig(name="vllm", dtype="bfloat16"), EvalConfig(limit=8, max_new_tokens=48),
-                             load_target(target), head, exports, target_dir, run_dir / "eval")
+    """The run's trained module laid over its target and served by vLLM in bfloat16, beside our chain: the
+    evaluate stage's engine check, without the tree evaluation that cannot run on this target."""
+    ev = EvalConfig(limit=8, max_new_tokens=48, engine=EngineConfig(name="vllm", dtype="bfloat16"))
+    cfg = RunConfig(name=run_dir.name, run_root=str(run_dir.parent), target=target, eval=ev)
+    return evaluate_in_engine(cfg, load_target(target), load_head(trained_head_dir(run_dir)), run_dir / "eval")
 
 
 def perturbed(model: Path, out: Path, noise: float, seed: int = 0) -> Path:

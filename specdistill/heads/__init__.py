@@ -116,9 +116,8 @@ def build_native_mtp(target) -> NativeMTPHead:
     vocab = tc.vocab_size
     head = NativeMTPHead(NativeMTPConfig(
         target_config=tc.to_dict() | {"architectures": tc.architectures or [type(target.model).__name__]},
-        vocab_size=vocab,
-        draft_vocab_size=vocab, target_hidden_size=tc.hidden_size, aux_layer_ids=list(target.layer_ids),
-        target_num_layers=tc.num_hidden_layers, target_name=target.name,
+        vocab_size=vocab, draft_vocab_size=vocab, target_hidden_size=tc.hidden_size,
+        aux_layer_ids=list(target.layer_ids), target_num_layers=tc.num_hidden_layers, target_name=target.name,
         target_embedding=embedding_fingerprint(target.model.get_input_embeddings().weight)))
     model = target.model
     head.init_from_target(model.get_input_embeddings().weight.float(), model.get_output_embeddings().weight.float(),

@@ -339,12 +339,13 @@ def speculative_generate(runner: TargetRunner, proposer, prompts: list[list[int]
     """Speculative generation of a batch of prompts. Temperature 0 equals plain greedy decoding; above
     0, the committed tokens are distributed as sampling from the target."""
     model = runner.target.model
-    if keeps_recurrent_state(model) and len(prompts) > 1:
+    recurrent = keeps_recurrent_state(model)
+    if recurrent and len(prompts) > 1:
         require_kv_cache(model, "speculative decoding of a batch")
     device = next(model.parameters()).device
     clock = _Clock(device)
     stats = GenerationStats(tokens=[[] for _ in prompts], accepted=[[] for _ in prompts])
-    cache = ReplayCache() if keeps_recurrent_state(model) else DynamicCache()
+    cache = ReplayCache() if recurrent else DynamicCache()
     ids_BT, valid_BL = left_pad(prompts, pad_id, device)
     mask, positions = prefill_inputs(valid_BL)
     out = runner(ids_BT, attention_mask=mask, position_ids=positions, cache=cache)

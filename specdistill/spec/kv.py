@@ -55,7 +55,7 @@ class ReplayCache:
     costs a forward over the whole sequence, so it serves checks on small targets (the engine comparison)."""
 
     def __init__(self):
-        self.ids_BL = self.positions_BL = self.pending_BN = None
+        self.ids_BL = self.pending_BN = None  # one unpadded row: its positions are 0 .. L-1
 
     def replay(self, input_ids_BN: Tensor, mask: Tensor | None, position_ids_BN: Tensor) -> tuple[Tensor, ...]:
         """(ids, mask, positions) of the whole sequence to run: the committed tokens, then `input_ids` (a chain; the
@@ -63,7 +63,7 @@ class ReplayCache:
         if input_ids_BN.shape[0] != 1:
             raise ValueError(f"ReplayCache replays one row, got a batch of {input_ids_BN.shape[0]}")
         if self.ids_BL is None:
-            self.ids_BL, self.positions_BL = input_ids_BN, position_ids_BN
+            self.ids_BL = input_ids_BN
             return input_ids_BN, mask, position_ids_BN
         N, L = input_ids_BN.shape[1], self.ids_BL.shape[1]
         chain_NN = torch.ones(N, N, dtype=torch.bool, device=input_ids_BN.device).tril()
@@ -73,15 +73,12 @@ class ReplayCache:
         self.pending_BN = input_ids_BN
         causal_LL = torch.ones(L, L + N, dtype=torch.bool, device=mask.device).tril()
         full_mask = torch.cat([causal_LL[None, None], mask.bool()], dim=2)
-        return (torch.cat([self.ids_BL, input_ids_BN], 1), full_mask,
-                torch.cat([self.positions_BL, position_ids_BN], 1))
+        committed_BL = torch.arange(L, device=position_ids_BN.device)[None]
+        return torch.cat([self.ids_BL, input_ids_BN], 1), full_mask, torch.cat([committed_BL, position_ids_BN], 1)
 
     def commit(self, accept_len_B: Tensor) -> None:
         """Commit the accepted path of the last chain: its root and accepted drafts, in order."""
-        path_BS = self.pending_BN[:, : int(accept_len_B.max()) + 1]
-        start = self.positions_BL[:, -1:] + 1
-        self.ids_BL = torch.cat([self.ids_BL, path_BS], 1)
-        self.positions_BL = torch.cat([self.positions_BL, start + torch.arange(path_BS.shape[1], device=start.device)], 1)
+        self.ids_BL = torch.cat([self.ids_BL, self.pending_BN[:, : int(accept_len_B.max()) + 1]], 1)
 
 
 def compact_cache(cache, tree_start: int, accept_nodes_BS: Tensor, accept_len_B: Tensor) -> int:
