@@ -75,3 +75,21 @@ def test_rerun_resumes_every_stage_without_redoing_work(smoke_run):
                            "stages=[prepare,capture,train]"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (run_dir / "ckpt" / "final" / "head.safetensors").read_bytes() == before
+
+
+def test_results_table_is_read_from_the_report(smoke_run, tmp_path):
+    """The README's headline rows come from scripts/results_table.py; a report without lookup is refused."""
+    run_dir, _, _ = smoke_run
+    report = json.loads((run_dir / "eval" / "report.json").read_text())
+    table = subprocess.run([sys.executable, "scripts/results_table.py", str(run_dir / "eval")], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    assert table.returncode == 0, table.stderr
+    lookup = report["baselines"]["prompt_lookup"]
+    assert table.stdout.splitlines()[-1].startswith(
+        f"| `smoke` | dev, 2 | {report['tau']:.2f} [{report['tau_ci'][0]:.2f}, {report['tau_ci'][1]:.2f}] | "
+        f"{lookup['tau']:.2f} ")
+    del report["baselines"]["prompt_lookup"]
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    refused = subprocess.run([sys.executable, "scripts/results_table.py", str(tmp_path)], cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "no `prompt_lookup` baseline" in refused.stderr

@@ -25,7 +25,7 @@ def summary_markdown(r: dict) -> str:
              f"batch {r['batch_size']})", "",
              f"- head: {r['head']} on target {r['target']}",
              f"- tau: **{r['tau']:.2f}** tokens per target forward (tree depth {tree['depth']}, top-k {tree['topk']}, "
-             f"{tree['num_draft_tokens']} draft tokens); 95% interval over prompts {_interval(r['tau_ci'])}",
+             f"{tree['num_draft_tokens']} draft tokens); 95% interval over prompts {interval(r['tau_ci'])}",
              f"- speedup vs plain decoding (same run): **{r['speedup']:.2f}x** ({r['wall_s']:.1f}s vs "
              f"{r['baseline_wall_s']:.1f}s; drafting {r['draft_s']:.1f}s, verification {r['verify_s']:.1f}s)"
              + (f"; {r['resumed_batches']} batches and their times come from a killed earlier sitting"
@@ -37,8 +37,8 @@ def summary_markdown(r: dict) -> str:
              "| speedup | target forwards | acceptance per depth |",
              "|---|---|---|---|---|---|---|---|"]
     for name, m in methods(r).items():
-        ratio = f"{m['head_ratio']:.2f}x {_interval(m['head_ratio_ci'])}" if "head_ratio" in m else "-"
-        lines.append(f"| {name} | {m['tau']:.2f} {_interval(m['tau_ci'])} | {ratio} | {m['tau_copy']:.2f} "
+        ratio = f"{m['head_ratio']:.2f}x {interval(m['head_ratio_ci'])}" if "head_ratio" in m else "-"
+        lines.append(f"| {name} | {m['tau']:.2f} {interval(m['tau_ci'])} | {ratio} | {m['tau_copy']:.2f} "
                      f"| {m['tau_elsewhere']:.2f} | {m['speedup']:.2f}x | {m['target_forwards']} "
                      f"| {_depths(m['accept_per_depth'])} |")
     lines += ["", "Intervals: bootstrap over the prompts, each draw resampling the same prompts for every drafter.",
@@ -79,7 +79,7 @@ def _depths(shares: list[float]) -> str:
     return " ".join(f"{a:.2f}" for a in shares)
 
 
-def _interval(bounds: list[float]) -> str:
+def interval(bounds: list[float]) -> str:
     return f"[{bounds[0]:.2f}, {bounds[1]:.2f}]"
 
 
