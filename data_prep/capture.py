@@ -10,7 +10,7 @@ import hydra
 from omegaconf import DictConfig
 
 from specdistill.capture.run import run
-from specdistill.cli import exit_on_user_error, run_main
+from specdistill.cli import exit_on_user_error, run_as_one_job, run_main
 from specdistill.config import register, to_run_config
 from specdistill.distributed import leave_launch
 from specdistill.pipeline import LazyTarget
@@ -22,7 +22,7 @@ log = logging.getLogger("specdistill")
 @hydra.main(config_path="../conf", config_name="config", version_base=None)
 def main(dict_cfg: DictConfig) -> None:
     cfg = exit_on_user_error(lambda: to_run_config(dict_cfg))
-    result = exit_on_user_error(lambda: run(cfg, LazyTarget(cfg)))
+    result = run_as_one_job(cfg.run_dir, lambda: run(cfg, LazyTarget(cfg)))
     leave_launch()
     log.info("capture: %s", result)
 

@@ -9,7 +9,7 @@ import logging
 import hydra
 from omegaconf import DictConfig
 
-from specdistill.cli import exit_on_user_error, run_main
+from specdistill.cli import exit_on_user_error, run_as_one_job, run_main
 from specdistill.config import register, to_run_config
 from specdistill.data.prepare import data_dir_of, run
 from specdistill.distributed import leave_launch
@@ -24,7 +24,7 @@ log = logging.getLogger("specdistill")
 def main(dict_cfg: DictConfig) -> None:
     cfg = exit_on_user_error(lambda: to_run_config(dict_cfg))
     exit_on_user_error(lambda: resolve_source(cfg.target))
-    summary = exit_on_user_error(lambda: run(cfg, LazyTarget(cfg)))
+    summary = run_as_one_job(cfg.run_dir, lambda: run(cfg, LazyTarget(cfg)))
     leave_launch()
     log.info("prepared %d samples (%d rejects) in %s", summary["samples"], summary["rejects"], data_dir_of(cfg))
 

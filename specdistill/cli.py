@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 from omegaconf.errors import MissingMandatoryValue
@@ -15,6 +16,7 @@ from specdistill.capture.run import BadSamples
 from specdistill.capture.store import FeatureStoreError
 from specdistill.config import ConfigError
 from specdistill.data.rejects import TooManyRejects
+from specdistill.distributed import failing_together, join_launch
 from specdistill.evaluate.bench import BenchError
 from specdistill.export.common import ExportError
 from specdistill.fingerprint import StaleRun
@@ -45,6 +47,23 @@ def exit_on_user_error(work: Callable[[], T]) -> T:
     except USER_ERRORS as err:
         log.error("%s", err)
         sys.exit(EXIT_USER_ERROR)
+
+
+def exit_code_of(err: BaseException) -> int:
+    return EXIT_USER_ERROR if isinstance(err, USER_ERRORS) else 1
+
+
+def run_as_one_job(job_dir: str | Path, work: Callable[[], T]) -> T:
+    """`exit_on_user_error` for a command every rank of `accelerate launch --num_processes N` runs: the ranks
+    join first, and a failure on any rank ends every rank with that failure named (`failing_together`, which keeps
+    its record under `job_dir`)."""
+    return exit_on_user_error(lambda: _joined(Path(job_dir), work))
+
+
+def _joined(job_dir: Path, work: Callable[[], T]) -> T:
+    join_launch()
+    with failing_together(job_dir, exit_code_of):
+        return work()
 
 
 def run_main(main: Callable[[], None]) -> None:

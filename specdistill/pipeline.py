@@ -2,6 +2,11 @@
 
 Each stage is `run(cfg, target) -> dict` in its own module; it reads only the artifacts of earlier
 stages from the run directory, so any stage can be re-run alone (`stages=[evaluate]`).
+
+Under `accelerate launch --num_processes N` every rank runs this loop. Prepare, capture, train and evaluate
+share their work between the ranks inside the stage; export runs on rank 0 alone. The ranks meet after every
+stage, so a stage starts only when the one before it is done everywhere, and only rank 0 has the results
+(the other ranks return None).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import time
 from omegaconf import OmegaConf
 
 from specdistill.config import RunConfig
-from specdistill.distributed import launch_device, leave_launch
+from specdistill.distributed import launch_device, leave_launch, rank_and_world, wait_for_everyone
 from specdistill.fingerprint import check_head_is_current
 from specdistill.heads import check_head_fits_target, load_head, trained_head_dir
 from specdistill.io import write_json
@@ -36,6 +41,7 @@ STAGE_ENTRIES = {
     "evaluate": "specdistill.evaluate.run",
     "export": "specdistill.export.run",
 }
+RANK0_ONLY = ("export",)
 SECRET_FIELD = re.compile(r"(^|_)(token|api_key|key|secret|password)$", re.IGNORECASE)
 
 
@@ -85,19 +91,26 @@ def check_kept_head(cfg: RunConfig, target: LazyTarget, stage: str) -> None:
         check_head_fits_target(load_head(head_dir), target.get(), head_dir)
 
 
-def run_stages(cfg: RunConfig) -> dict[str, dict]:
+def run_stages(cfg: RunConfig) -> dict[str, dict] | None:
     check_against_target(cfg, resolve_source(cfg.target))  # fail before any work
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    write_json(cfg.run_dir / "config.json", redacted(cfg))
+    rank, world = rank_and_world()
+    if rank == 0:
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        write_json(cfg.run_dir / "config.json", redacted(cfg))
     target = LazyTarget(cfg)
     results = {}
     for stage in cfg.stages:
         t0 = time.time()
         log.info("stage %s: start", stage)
-        if stage in ("evaluate", "export"):
-            check_kept_head(cfg, target, stage)
-        results[stage] = importlib.import_module(STAGE_ENTRIES[stage]).run(cfg, target) or {}
-        results[stage]["seconds"] = round(time.time() - t0, 1)
+        if rank != 0 and stage in RANK0_ONLY:
+            log.info("stage %s: rank 0 runs it; rank %d of %d waits", stage, rank, world)
+        else:
+            if stage in ("evaluate", "export"):
+                check_kept_head(cfg, target, stage)
+            results[stage] = importlib.import_module(STAGE_ENTRIES[stage]).run(cfg, target) or {}
+        wait_for_everyone()
+        if rank == 0:
+            results[stage]["seconds"] = round(time.time() - t0, 1)
         log.info("stage %s: done in %.1fs", stage, time.time() - t0)
     leave_launch()
-    return results
+    return results if rank == 0 else None

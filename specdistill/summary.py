@@ -11,9 +11,14 @@ def print_summary(cfg: RunConfig, results: dict[str, dict]) -> None:
         lines.append(f"  {stage:<9} {res.get('seconds', 0):>7.1f}s")
     if "train" in results:
         t = results["train"]
-        lines.append(f"  head: {t['head']} (steps {t['steps']}, step-0 accuracy {t.get('acc0') or 0:.2f})")
+        lines.append(f"  head: {t['head']} (steps {t['steps']})")
+        if t.get("holdout/acc0") is not None:
+            lines.append(f"  held-out conversations: the head's first choice is the target's token "
+                         f"{t['holdout/acc0']:.0%} of the time (simulated chain tau {t['holdout/tau_sim']:.2f})")
+        if t.get("loop_tau") is not None:
+            lines.append(f"  in-loop tau on benchmark rows outside the evaluated slice: {t['loop_tau']:.2f}")
         if t.get("best"):
-            lines.append(f"  best head (evaluated and exported): {t['best']}")
+            lines.append(f"  best head (evaluated and exported): {t['best']} (step {t['best_step']})")
     if "evaluate" in results:
         e = results["evaluate"]
         lines.append(f"  tau {e['tau']:.2f}, speedup {e['speedup']:.2f}x vs plain greedy, "

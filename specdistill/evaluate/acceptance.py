@@ -13,8 +13,9 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from specdistill.cli import run_as_one_job
 from specdistill.config import EvalConfig, RunConfig, TargetConfig, WandbConfig, validate
-from specdistill.distributed import launch_device
+from specdistill.distributed import launch_device, leave_launch
 from specdistill.evaluate.engine import (
     engine_evaluation,
     engine_summary_line,
@@ -64,12 +65,21 @@ def to_run_config(dict_cfg: DictConfig) -> tuple[AcceptanceConfig, RunConfig]:
     return cfg, run
 
 
-def main(dict_cfg: DictConfig) -> dict:
+def main(dict_cfg: DictConfig) -> dict | None:
+    """Evaluate the head; under `accelerate launch --num_processes N` the ranks share the prompts and rank 0
+    prints and returns the report (the other ranks return None)."""
     cfg, run = to_run_config(dict_cfg)
+    return run_as_one_job(cfg.out, lambda: _evaluate(cfg, run))
+
+
+def _evaluate(cfg: AcceptanceConfig, run: RunConfig) -> dict | None:
     check_capture_layers(run.target, resolve_source(run.target))
     target = load_target(run.target, launch_device())
     log.info("evaluating head %s on %s (%s, %d prompts)", cfg.head_dir, target.name, cfg.bench, cfg.limit)
     report = evaluate(run, target, load_any_head(cfg.head_dir, target), Path(cfg.out), cfg.head_dir)
+    leave_launch()
+    if report is None:
+        return None
     lossless = report["lossless_mismatches"]
     baselines = ", ".join(f"{name} {b['tau']:.2f}" for name, b in report["baselines"].items()) or "none run"
     print(f"tau {report['tau']:.2f} (baselines: {baselines}), speedup {report['speedup']:.2f}x, "

@@ -4,13 +4,13 @@ with baselines (prompt lookup, the head as a chain) and serving advice, all in o
 Every prompt is decoded by plain decoding (the speed baseline and, at temperature 0, the reference)
 and by each drafter, in the same run and the same batches. Later turns of multi-turn items follow
 the target's own plain-decoding answers. Each finished batch is kept in `<out>/partial/` (its tokens,
-acceptance, wall times and random state), so a killed evaluation resumes at the batch it was in.
+acceptance and wall times), so a killed evaluation resumes at the batch it was in. Under `accelerate launch
+--num_processes N` the ranks share the batches and rank 0 writes the report, equal to a one-process run's.
 Also `evaluate_head_tau`, the cheap in-training tau.
 """
 
 from __future__ import annotations
 
-import base64
 import logging
 import shutil
 import time
@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from specdistill.cache import ResultCache, content_key
 from specdistill.config import EvalConfig, RunConfig
+from specdistill.distributed import gather_objects, rank_and_world
 from specdistill.evaluate import metrics
 from specdistill.evaluate.advice import advise, head_cost, target_cost
 from specdistill.evaluate.bench import conversation_ids, load_prompts, turn_batches
@@ -201,30 +202,19 @@ def evaluation_fingerprint(cfg: RunConfig, target: Target, head) -> str:
 
 
 def decode_batch(target: Target, runner: TargetRunner, proposers: dict, ids: list[list[int]], ev: EvalConfig,
-                 sampling: Sampling, generators: dict[str, torch.Generator]) -> dict:
-    """One batch by plain decoding and by every drafter, as a JSON record: tokens, per-round acceptance and
-    wall times, and the random generators' states after it, so a resumed evaluation continues them."""
+                 sampling: Sampling, seed: int) -> dict:
+    """One batch by plain decoding and by every drafter, as a JSON record: tokens, per-round acceptance and wall
+    times. Each decoder samples from its own generator seeded with `seed`, the batch's own, so a batch decodes
+    alike whichever rank takes it and whatever ran before it."""
     device, eos, pad = next(target.model.parameters()).device, target.eos_ids, target.tokenizer.pad_token_id
     reference, seconds = _timed(device, plain_generate, target.model, ids, ev.max_new_tokens, eos, sampling,
-                                generators["plain"], pad)
+                                torch.Generator(device).manual_seed(seed), pad)
     record = {"plain": {"tokens": reference, "seconds": seconds}, "drafters": {}}
     for name, (proposer, _) in proposers.items():
         stats, seconds = _timed(device, speculative_generate, runner, proposer, ids, ev.max_new_tokens, eos,
-                                sampling, generators[name], pad)
+                                sampling, torch.Generator(device).manual_seed(seed), pad)
         record["drafters"][name] = {**asdict(stats), "seconds": seconds}
-    record["generators"] = generator_states(generators)
     return record
-
-
-def generator_states(generators: dict[str, torch.Generator]) -> dict[str, str]:
-    """Each generator's state as base64 bytes, for a JSON record; `restore_states` reads it back."""
-    return {name: base64.b64encode(g.get_state().numpy().tobytes()).decode() for name, g in generators.items()}
-
-
-def restore_states(generators: dict[str, torch.Generator], states: dict[str, str]) -> None:
-    """Set each generator to the state a record saved (base64 bytes), as if its batch had just run."""
-    for name, state in states.items():
-        generators[name].set_state(torch.frombuffer(bytearray(base64.b64decode(state)), dtype=torch.uint8))
 
 
 def generation_stats(record: dict) -> GenerationStats:
@@ -233,33 +223,68 @@ def generation_stats(record: dict) -> GenerationStats:
     return GenerationStats(**{**fields, "hits": [tuple(h) for h in fields["hits"]]})
 
 
+def decode_shared(cfg: RunConfig, target: Target, head, proposers: dict, items: list[list[str]],
+                  out_dir: Path) -> tuple[list[tuple[int, list[int]]], dict[int, dict], dict]:
+    """Decode every batch, shared between the ranks: rank r takes every N-th batch of each turn, and after each
+    turn the ranks swap their records (a later turn asks after the target's own earlier answers). Each finished
+    batch is kept in `<out>/partial/` under a key of everything it depends on (this rank's file; every rank's
+    file is read), so a killed evaluation resumes at the batches it had not finished, under any number of ranks.
+    Returns the batches (turn, item indices), each batch's {"ids", "record"} on every rank, and
+    {"resumed": batches taken from the cache, "prompts_per_rank": [...]}."""
+    ev, (rank, world) = cfg.eval, rank_and_world()
+    runner, sampling = TargetRunner(target), Sampling(ev.temperature, ev.top_k, ev.top_p)
+    done = ResultCache(out_dir / PARTIAL, rank, stem="batches")
+    fingerprint = evaluation_fingerprint(cfg, target, head)
+    batches = list(turn_batches(items, ev.batch_size))
+    decoded, answers, resumed, prompts = {}, [[] for _ in items], 0, 0
+    bar = tqdm(total=sum(len(chunk) for _, chunk in batches[rank::world]), unit="prompt", position=rank,
+               desc=f"evaluate {ev.bench}" + (f" rank {rank}" if world > 1 else ""))
+    for turn in sorted({t for t, _ in batches}):
+        in_turn = [b for b, (t, _) in enumerate(batches) if t == turn]
+        mine = {}
+        for b in in_turn[rank::world]:
+            chunk = batches[b][1]
+            ids = [conversation_ids(target.tokenizer, items[i][: turn + 1], answers[i]) for i in chunk]
+            key = content_key(fingerprint, ids)
+            record = done.get(key)
+            if record is None:
+                record = decode_batch(target, runner, proposers, ids, ev, sampling, int(key[:15], 16))
+                done.put(key, record)
+            else:
+                resumed += 1
+            mine[b] = {"ids": ids, "record": record}
+            prompts += len(chunk)
+            bar.update(len(chunk))
+        for share in gather_objects(mine):
+            decoded.update(share)
+        for b in in_turn:
+            for j, i in enumerate(batches[b][1]):
+                answers[i].append(target.tokenizer.decode(decoded[b]["record"]["plain"]["tokens"][j],
+                                                          skip_special_tokens=True))
+    bar.close()
+    counts = gather_objects((resumed, prompts))
+    return batches, decoded, {"resumed": sum(r for r, _ in counts), "prompts_per_rank": [p for _, p in counts]}
+
+
 def evaluate(cfg: RunConfig, target: Target, head, out_dir: Path, head_path: str = "",
-             serve_dirs: dict[str, str] | None = None) -> dict:
+             serve_dirs: dict[str, str] | None = None) -> dict | None:
     """Decode the benchmark with plain decoding and every drafter; write and return the report. The serving
-    advice names `serve_dirs` ({"sglang": dir, "vllm": dir}; default: `head_path` for both)."""
+    advice names `serve_dirs` ({"sglang": dir, "vllm": dir}; default: `head_path` for both). Under N ranks the
+    batches are shared (`decode_shared`) and rank 0 alone writes the report, runs the engine check and returns
+    the report; the other ranks return None."""
     ev = cfg.eval
     kernels.set_backend(ev.kernels)
     device = next(target.model.parameters()).device
     head = head.to(device=device, dtype=target.model.dtype).eval()
     items, categories = load_prompts(ev.bench, ev.limit, ev.max_turns, ev.split)
-    runner, sampling = TargetRunner(target), Sampling(ev.temperature, ev.top_k, ev.top_p)
     proposers = drafters(head, target, ev)
+    batches, decoded, sharing = decode_shared(cfg, target, head, proposers, items, out_dir)
+    if rank_and_world()[0] != 0:
+        return None
     tallies = {name: Tally(depth) for name, (_, depth) in proposers.items()}
-    generators = {name: torch.Generator(device).manual_seed(cfg.seed) for name in ["plain", *proposers]}
-    rows, answers, plain_s = [], [[] for _ in items], 0.0
-    done = ResultCache(out_dir / PARTIAL, stem="batches")
-    key, resumed = evaluation_fingerprint(cfg, target, head), 0
-    bar = tqdm(total=sum(len(it) for it in items), desc=f"evaluate {ev.bench}", unit="prompt")
-    for turn, chunk in turn_batches(items, ev.batch_size):
-        ids = [conversation_ids(target.tokenizer, items[i][: turn + 1], answers[i]) for i in chunk]
-        key = content_key(key, turn, [items[i][: turn + 1] for i in chunk])  # chained: the batches before too
-        record = done.get(key)
-        if record is None:
-            record = decode_batch(target, runner, proposers, ids, ev, sampling, generators)
-            done.put(key, record)
-        else:
-            resumed += 1
-            restore_states(generators, record["generators"])
+    rows, plain_s = [], 0.0
+    for b, (turn, chunk) in enumerate(batches):
+        ids, record = decoded[b]["ids"], decoded[b]["record"]
         reference = record["plain"]["tokens"]
         plain_s += record["plain"]["seconds"]
         outputs = {name: generation_stats(r) for name, r in record["drafters"].items()}
@@ -268,12 +293,9 @@ def evaluate(cfg: RunConfig, target: Target, head, out_dir: Path, head_path: str
                               [categories[i] for i in chunk])
         main = outputs[MAIN]
         for j, i in enumerate(chunk):
-            answers[i].append(target.tokenizer.decode(reference[j], skip_special_tokens=True))
             rows.append({"item": i, "turn": turn, "prompt": items[i][turn], "prompt_ids": ids[j],
                          "output_ids": main.tokens[j], "plain_output_ids": reference[j],
                          "accepted_per_round": main.accepted[j], "matches_plain": main.tokens[j] == reference[j]})
-        bar.update(len(chunk))
-    bar.close()
     greedy = ev.temperature == 0
     report = {
         **tallies[MAIN].report(plain_s, greedy),
@@ -289,7 +311,9 @@ def evaluate(cfg: RunConfig, target: Target, head, out_dir: Path, head_path: str
         "plain_new_tokens": sum(len(r["plain_output_ids"]) for r in rows),
         "outside_draft_vocab": outside_draft_vocab(head, [r["plain_output_ids"] for r in rows]),
         "baselines": {name: t.report(plain_s, greedy) for name, t in tallies.items() if name != MAIN},
-        "resumed_batches": resumed,  # batches (and their wall times) taken from a killed earlier sitting
+        "resumed_batches": sharing["resumed"],  # batches (and their wall times) taken from a killed earlier sitting
+        "world": len(sharing["prompts_per_rank"]),  # ranks that shared the decoding
+        "prompts_per_rank": sharing["prompts_per_rank"],
     }
     intervals = metrics.tau_intervals({n: t.accepted for n, t in tallies.items()},
                                       {n: t.prompt_of_round for n, t in tallies.items()}, len(rows), MAIN, cfg.seed)
@@ -314,21 +338,29 @@ def evaluate(cfg: RunConfig, target: Target, head, out_dir: Path, head_path: str
 @torch.inference_mode()
 def evaluate_head_tau(head, target: Target, prompts: list[str], cfg: EvalConfig) -> dict:
     """Greedy tau of `head` with the tree verifier on `prompts` (`cfg.loop_max_new_tokens` each, batches of
-    `cfg.batch_size`): cheap enough to run every `train.eval_every` steps. The head is left as it was."""
+    `cfg.batch_size`): cheap enough to run every `train.eval_every` steps. Under N ranks each rank decodes every
+    N-th batch and every rank returns the same result, a one-process run's. The head is left as it was."""
     was_training = head.training
     head.eval()
     t = cfg.tree
     proposer = HeadProposer(head, target.vocab_size, "tree", t.depth, t.topk, t.num_draft_tokens)
     runner, eos, pad = TargetRunner(target), target.eos_ids, target.tokenizer.pad_token_id
-    tally = Tally(t.depth)
+    rank, world = rank_and_world()
+    starts = range(0, len(prompts), cfg.batch_size)
+    mine = {}
     t0 = time.perf_counter()
     try:
-        for start in range(0, len(prompts), cfg.batch_size):
+        for start in starts[rank::world]:
             ids = [target.prompt_ids(p) for p in prompts[start : start + cfg.batch_size]]
-            stats = speculative_generate(runner, proposer, ids, cfg.loop_max_new_tokens, eos, GREEDY, None, pad)
-            tally.add(stats, 0.0, None, ids, [None] * len(ids))
+            mine[start] = (ids, speculative_generate(runner, proposer, ids, cfg.loop_max_new_tokens, eos, GREEDY,
+                                                     None, pad))
     finally:
         head.train(was_training)
+    decoded = {start: batch for share in gather_objects(mine) for start, batch in share.items()}
+    tally = Tally(t.depth)
+    for start in starts:
+        ids, stats = decoded[start]
+        tally.add(stats, 0.0, None, ids, [None] * len(ids))
     return {**tally.tau_split(), "accept_per_depth": metrics.accept_per_depth(tally.accepted, t.depth),
             "new_tokens": tally.new_tokens, "target_forwards": tally.target_forwards,
             "seconds": round(time.perf_counter() - t0, 3)}
@@ -339,6 +371,8 @@ def run(cfg: RunConfig, target) -> dict:
     path = trained_head_dir(cfg.run_dir)
     serve_dirs = {engine: str(cfg.run_dir / "export" / engine) for engine in ("sglang", "vllm")}
     report = evaluate(cfg, target.get(), load_head(path), out_dir, str(path), serve_dirs)
+    if report is None:  # a rank other than 0: its share is in rank 0's report
+        return {}
     log.info("tau %.2f, speedup %.2fx, lossless mismatches %s; report in %s", report["tau"], report["speedup"],
              report["lossless_mismatches"], out_dir / "report.json")
     return {"report": str(out_dir / "report.json"), "engine": report.get("engine"),

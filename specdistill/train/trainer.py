@@ -338,21 +338,27 @@ class Trainer:
         log.info("resumed from %s (step %d, epoch %d, micro-batch %d)", latest, self.state.step, self.state.epoch,
                  self.state.batch_in_epoch)
 
-    def head_snapshot(self):
-        """The head with all its weights, on rank 0 (None elsewhere); every rank must call it. Under ZeRO-3
-        each rank holds only a shard of every weight, so they are gathered into a standalone copy."""
+    def head_snapshot(self, on_every_rank: bool = False):
+        """The head with all its weights, on rank 0 (None elsewhere) or on every rank; every rank must call it.
+        Under ZeRO-3 each rank holds only a shard of every weight, so they are gathered into a standalone copy."""
         head = self.accelerator.unwrap_model(self.model).head
         if not self.zero3:
-            return head if self.rank == 0 else None
-        state = self.accelerator.get_state_dict(self.model)  # gathered onto rank 0
-        if self.rank != 0:
-            return None
-        state = {k.removeprefix("head."): v for k, v in state.items()}
+            return head if self.rank == 0 or on_every_rank else None
+        if on_every_rank:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(head.parameters()), modifier_rank=None):
+                state = {k: v.detach().clone() for k, v in head.state_dict().items()}
+        else:
+            state = self.accelerator.get_state_dict(self.model)  # gathered onto rank 0
+            if self.rank != 0:
+                return None
+            state = {k.removeprefix("head."): v for k, v in state.items()}
         return head_from_state(head.config, state, "the gathered ZeRO-3 weights").to(self.device)
 
-    def served_snapshot(self):
-        """`head_snapshot`, widened to the served draft vocabulary when one is set (rank 0; None elsewhere)."""
-        head = self.head_snapshot()
+    def served_snapshot(self, on_every_rank: bool = False):
+        """`head_snapshot`, widened to the served draft vocabulary when one is set."""
+        head = self.head_snapshot(on_every_rank)
         if head is None or self.served_vocab is None:
             return head
         wide, fit_cos = widened(head, self.target_lm_head, self.served_vocab)
@@ -482,15 +488,13 @@ class Trainer:
             if cfg.eval_every == 0 and "holdout/tau_sim" in out and self.improves(out["holdout/tau_sim"]):
                 self.save_best(out["holdout/tau_sim"], "holdout/tau_sim", self.served_snapshot())
         if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == self.total_steps):
-            head = self.served_snapshot()
-            if self.rank == 0:
-                head.eval()
-                result = self.tau_evaluator(head)
-                out["tau"], out["tau_copy"] = float(result["tau"]), float(result["tau_copy"])
-                head.train()
-                log.info("step %d: in-loop tau %.3f (copy rounds %.3f)", step, out["tau"], out["tau_copy"])
-                self.save_best(out["tau"], "tau", head)
-            self.accelerator.wait_for_everyone()
+            head = self.served_snapshot(on_every_rank=True)  # the ranks share the prompts
+            head.eval()
+            result = self.tau_evaluator(head)
+            head.train()
+            out["tau"], out["tau_copy"] = float(result["tau"]), float(result["tau_copy"])
+            log.info("step %d: in-loop tau %.3f (copy rounds %.3f)", step, out["tau"], out["tau_copy"])
+            self.save_best(out["tau"], "tau", head)
         return out
 
     def check_bad_steps(self) -> None:
@@ -526,7 +530,7 @@ class Trainer:
         log.info("head written to %s; history and curves in %s", final, self.run_dir / "train")
         return {"head": str(final), "steps": self.state.step, "skipped": self.state.skipped,
                 "best": str(self.ckpt_dir / "best") if self.state.best_step is not None else None,
-                "acc0": last.get("acc/0"), "tau_sim": last.get("tau_sim"),
+                "best_step": self.state.best_step, "loop_tau": last.get("tau"),
                 **{k: v for k, v in last.items() if k.startswith("holdout/")}}
 
 
