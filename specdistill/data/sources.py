@@ -9,7 +9,9 @@ Row formats (detected per row unless `data.format` names one):
 
 Local jsonl is parsed line by line by us, not by `datasets`' json builder, so one broken line (bad JSON, bytes
 that are not UTF-8) becomes a reject naming its line instead of an exception that stops the job or text that
-is silently changed; a UTF-8 byte-order mark before the first line is skipped.
+is silently changed; a UTF-8 byte-order mark before the first line is skipped. A `.json` file holding one array
+is read the same way, record by record (`array_elements`), so a 100 MB array is never one object tree in memory
+and a file cut off mid-record keeps every whole record before the cut.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from __future__ import annotations
 import codecs
 import json
 import logging
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import datasets
 
@@ -110,29 +114,90 @@ def _decoded(raw: bytes) -> str:
             from err
 
 
+def _parsed(source: str, position: str, raw: bytes) -> SourceRow:
+    """One row from its raw bytes: strict UTF-8, then JSON; either failing makes the row a reject."""
+    try:
+        return SourceRow(source, position, json.loads(_decoded(raw)))
+    except RowError as err:
+        return SourceRow(source, position, None, err)
+    except json.JSONDecodeError as err:
+        return SourceRow(source, position, None, RowError("invalid_json", str(err)))
+
+
+# What the array scanner looks for: outside a string, the bytes that open or close a value or separate
+# elements; inside one, its closing quote and the backslash that escapes the byte after it.
+OUTSIDE_STRING = re.compile(rb'["{}\[\],]')
+INSIDE_STRING = re.compile(rb'["\\]')
+ARRAY_CHUNK_BYTES = 1 << 20
+
+
+def array_elements(f: BinaryIO, chunk_bytes: int = ARRAY_CHUNK_BYTES) -> Iterator[tuple[int, bytes, bool]]:
+    """(byte offset, bytes, whole) of every element of the JSON array that `f` is positioned at (its `[`).
+
+    The bytes are scanned, not decoded, `chunk_bytes` at a time, and an element is split off at each comma
+    outside strings and nested values: only the element being read and one chunk are held, and an element's
+    bytes that are not UTF-8 or not JSON stay its own problem. When the file ends before the array closes, the
+    last element (empty if the cut falls between elements) comes with `whole` False."""
+    base = f.tell()  # the file offset of buf[0]
+    buf = bytearray(f.read(chunk_bytes))  # grown in place: an element longer than many chunks costs no copies
+    start = pos = 1  # after the `[`; `start` is where the current element's bytes begin
+    depth, in_string = 0, False
+    while True:
+        found = (INSIDE_STRING if in_string else OUTSIDE_STRING).search(buf, pos)
+        if found is None:
+            chunk = f.read(chunk_bytes)
+            if not chunk:
+                break
+            # an escaped byte at the very end leaves `pos` one past `buf`, still right once `buf` grows
+            del buf[:start]
+            buf += chunk
+            base, pos, start = base + start, pos - start, 0
+            continue
+        pos, byte = found.end(), found.group()
+        if in_string:
+            if byte == b"\\":
+                pos += 1
+            else:
+                in_string = False
+        elif byte == b'"':
+            in_string = True
+        elif byte in (b"{", b"["):
+            depth += 1
+        elif depth > 0 and byte in (b"}", b"]"):
+            depth -= 1
+        elif depth == 0 and byte in (b",", b"]"):
+            element = bytes(buf[start:found.start()])
+            if byte == b"," or element.strip():  # `[]` holds no element
+                yield base + start + len(element) - len(element.lstrip()), element.strip(), True
+            if byte == b"]":
+                return
+            start = pos
+    tail = bytes(buf[start:])
+    yield base + start + len(tail) - len(tail.lstrip()), tail.strip(), False
+
+
+def _array_rows(path: Path, f: BinaryIO) -> Iterator[SourceRow]:
+    """Every element of the JSON array in `f` as a row at "record <index> (byte <offset>)"; a file cut off
+    before the array closes ends in one `truncated_record` reject."""
+    for index, (offset, raw, whole) in enumerate(array_elements(f)):
+        position = f"record {index} (byte {offset})"
+        if whole:
+            yield _parsed(str(path), position, raw)
+        else:
+            yield SourceRow(str(path), position, None, RowError(
+                "truncated_record", f"the file ends {len(raw)} bytes into this record, before the array closes"))
+
+
 def _jsonl_rows(path: Path) -> Iterator[SourceRow]:
     with open(path, "rb") as f:
         first = f.read(len(codecs.BOM_UTF8))
         f.seek(len(codecs.BOM_UTF8) if first == codecs.BOM_UTF8 else 0)
         if path.suffix == ".json" and f.peek(1)[:1] == b"[":  # one JSON array
-            try:
-                rows = json.loads(_decoded(f.read()))
-            except (json.JSONDecodeError, RowError) as err:
-                error = err if isinstance(err, RowError) else RowError("invalid_json", str(err))
-                yield SourceRow(str(path), "file", None, error)
-                return
-            for i, row in enumerate(rows):
-                yield SourceRow(str(path), f"item {i}", row)
+            yield from _array_rows(path, f)
             return
         for line_no, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                yield SourceRow(str(path), f"line {line_no}", json.loads(_decoded(raw)))
-            except RowError as err:
-                yield SourceRow(str(path), f"line {line_no}", None, err)
-            except json.JSONDecodeError as err:
-                yield SourceRow(str(path), f"line {line_no}", None, RowError("invalid_json", str(err)))
+            if raw.strip():
+                yield _parsed(str(path), f"line {line_no}", raw)
 
 
 def _dataset_rows(name: str, ds) -> Iterator[SourceRow]:

@@ -1,0 +1,94 @@
+"""Real chats: JSON array files read record by record (a cut tail, a value that is not a string, an empty
+conversation and bytes that are not UTF-8 each rejected at their position, no whole record lost)."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from specdistill.data.rejects import RejectLog, RowError, TooManyRejects
+from specdistill.data.sources import array_elements, read_conversations
+
+ROOT = Path(__file__).resolve().parents[1]
+# Seven records, the last cut off by the end of the file: three whole good ones between a value that is not a
+# string (record 1), an empty conversation (record 3) and a byte that is not UTF-8 (record 4).
+CUT = ROOT / "tests" / "data" / "sharegpt_cut.json"
+GOOD = {
+    "record 0": [{"role": "user", "content": 'Say "hi", [please] {now}, then a backslash:'},
+                 {"role": "assistant", "content": "hi \\"}],
+    "record 2": [{"role": "user", "content": "Un café ☕, s'il vous plaît."}, {"role": "assistant", "content": "Voilà."},
+                 {"role": "user", "content": "Merci !"}, {"role": "assistant", "content": "De rien."}],
+    "record 5": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"},
+                 {"role": "assistant", "content": "4"}],
+}
+FAULTS = {"record 1": "non_string_content", "record 3": "missing_field", "record 4": "invalid_utf8",
+          "record 6": "truncated_record"}
+
+
+def read(path: Path, **kwargs) -> tuple[dict, dict]:
+    """({record: messages} of the good rows, {record: reason} of the rejects), each record with its byte offset
+    checked against the file."""
+    data = path.read_bytes()
+    good, rejects = {}, {}
+    for item in read_conversations([str(path)], "auto", **kwargs):
+        record, offset = item.position.removesuffix(")").split(" (byte ")
+        assert data[int(offset):int(offset) + 1] == b"{", item.position  # the offset is where the record starts
+        if item.error is None:
+            good[record] = item.row["messages"]
+        else:
+            rejects[record] = item.error.reason
+    return good, rejects
+
+
+def test_a_cut_array_keeps_every_whole_record_and_rejects_each_fault_at_its_position():
+    good, rejects = read(CUT)
+    assert good == GOOD and rejects == FAULTS
+
+
+def test_each_reject_goes_with_its_fault(tmp_path):
+    """The same file with its faults repaired one by one: each repair turns its reject into a good row."""
+    repairs = {"record 1": (b'"value": 42', b'"value": "42"'),
+               "record 3": (b'"conversations": []', b'"conversations": [{"from": "human", "value": "q"}]'),
+               "record 4": (b"caf\xe9", "café".encode()),
+               "record 6": (b"It never", b'It never"}]}]')}
+    for record, (fault, repair) in repairs.items():
+        path = tmp_path / f"{record.replace(' ', '_')}.json"
+        path.write_bytes(CUT.read_bytes().replace(fault, repair))
+        good, rejects = read(path)
+        assert set(good) == {*GOOD, record} and rejects == {r: reason for r, reason in FAULTS.items() if r != record}
+
+
+def test_a_byte_that_is_not_utf8_is_named_within_its_record():
+    item = next(i for i in read_conversations([str(CUT)], "auto") if i.position.startswith("record 4 "))
+    within = int(re.fullmatch(r"byte (\d+) \(b'\\xe9'\) is not valid UTF-8", item.error.detail)[1])
+    record_offset = int(item.position.split("byte ")[1][:-1])
+    assert CUT.read_bytes()[record_offset + within] == 0xE9
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 2, 3, 7, 64])
+def test_records_split_across_chunks_are_found_the_same(chunk_bytes):
+    """Every chunk boundary falls inside a string, an escape or between structure bytes somewhere in the file."""
+    with open(CUT, "rb") as f:
+        whole = list(array_elements(f))
+    with open(CUT, "rb") as f:
+        assert list(array_elements(f, chunk_bytes)) == whole
+    assert [is_whole for _, _, is_whole in whole] == [True] * 6 + [False]
+
+
+def test_an_array_cut_between_records_or_empty(tmp_path):
+    path = tmp_path / "between.json"
+    path.write_text('[{"data": ["q", "a"]},\n')
+    items = list(read_conversations([str(path)], "auto"))
+    assert [(i.position, i.error and i.error.reason) for i in items] == [("record 0 (byte 1)", None),
+                                                                         ("record 1 (byte 23)", "truncated_record")]
+    path.write_text("[ ]\n")
+    assert list(read_conversations([str(path)], "auto")) == []
+
+
+def test_the_cut_tail_does_not_count_against_the_reject_share(tmp_path):
+    cut, broken = RejectLog(), RejectLog()
+    cut.add("a.json", "record 1 (byte 9)", RowError("truncated_record", "the file ends"))
+    cut.check_share(2, 0.0, tmp_path / "rejects.jsonl")
+    broken.add("a.json", "record 1 (byte 9)", RowError("invalid_json", "bad"))
+    with pytest.raises(TooManyRejects, match="1 of 2 rows rejected"):
+        broken.check_share(2, 0.0, tmp_path / "rejects.jsonl")
