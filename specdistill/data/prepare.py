@@ -1,12 +1,12 @@
-"""The `prepare` stage: conversations (self-synthesised, or read and regenerated) -> tokenized samples with
-assistant-only loss masks -> draft vocabulary.
+"""The `prepare` stage: conversations (self-synthesised, or read, decontaminated and regenerated) -> tokenized
+samples with assistant-only loss masks -> draft vocabulary.
 
 Output layout under the data dir (`cfg.out`, else `<run dir>/data`), read by capture and train:
   samples/            HF datasets `save_to_disk`: input_ids (int32), loss_mask (uint8), messages and
                       provenance (JSON strings)
   vocab.safetensors   d2t int64 [N], t2d bool [V], counts int64 [V] (see `vocab.py`)
-  rejects.jsonl       every unusable row with its reason and source position
-  summary.json        counts, rejects per reason, coverage, timings; written last, so its presence
+  rejects.jsonl       every unusable or left-out row with its reason and source position
+  summary.json        counts, rejects per reason, decontamination, coverage, timings; written last, so its presence
                       with a matching fingerprint means the stage is complete and can be skipped
   cache/              generated conversations by content hash (a killed run resumes from here)
   .build/             Arrow files of the conversations and tokenized rows while the stage runs (removed)
@@ -32,6 +32,7 @@ import torch
 
 from specdistill.cache import ResultCache, content_key
 from specdistill.config import ConfigError, RunConfig
+from specdistill.data.decontaminate import BenchmarkSpans
 from specdistill.data.generate import LocalGenerator
 from specdistill.data.openai_client import OpenAIBackend
 from specdistill.data.regenerate import (
@@ -41,7 +42,7 @@ from specdistill.data.regenerate import (
     sampling_params,
 )
 from specdistill.data.rejects import RejectLog, RowError, TooManyRejects
-from specdistill.data.sources import SourceRow, read_conversations
+from specdistill.data.sources import SourceRow, read_conversations, source_paths
 from specdistill.data.synth import synthesize
 from specdistill.data.template import ChatFormat
 from specdistill.data.vocab import DraftVocab, build_draft_vocab, count_tokens
@@ -81,9 +82,14 @@ def load_prepared(data_dir: str | Path) -> PreparedData:
                         vocab=DraftVocab.load(data_dir / "vocab.safetensors"))
 
 
+def decontaminated_against(cfg: RunConfig) -> str | None:
+    """The benchmark whose spans read sources are checked against (`decontaminate.py`); None when none is."""
+    return cfg.eval.bench if cfg.data.source != "synth" and cfg.data.decontaminate_ngram else None
+
+
 def fingerprint(cfg: RunConfig) -> str:
     """What the prepared data depends on; a change rebuilds it (the conversation cache still applies)."""
-    return content_key(asdict(cfg.data), cfg.target.name, cfg.target.revision, cfg.seed)
+    return content_key(asdict(cfg.data), cfg.target.name, cfg.target.revision, cfg.seed, decontaminated_against(cfg))
 
 
 def _completed_summary(data_dir: Path, want: str) -> dict | None:
@@ -186,7 +192,7 @@ def run(cfg: RunConfig, target) -> dict:
 def _no_usable_rows(cfg: RunConfig, data_dir: Path, rejects: RejectLog, total_rows: int) -> NoReturn:
     """Not one conversation to tokenize: say why, with every reject written for the user to read."""
     if cfg.data.source != "synth" and total_rows == 0:
-        raise ConfigError(f"config field `data.path`: {[cfg.data.path, *cfg.data.mix]} holds no rows")
+        raise ConfigError(f"config field `data.path`: {source_paths(cfg.data)} holds no rows")
     rejects.write(data_dir / "rejects.jsonl")
     what = "synthesis kept no conversation" if cfg.data.source == "synth" else f"all {total_rows} rows were rejected"
     raise TooManyRejects(f"{what} ({rejects.by_reason()}); see {data_dir / 'rejects.jsonl'}")
@@ -221,6 +227,9 @@ class SourceConversations:
                  world: int):
         self.cfg, self.cache, self.rank, self.world = cfg, cache, rank, world
         self.rejects, self.total = RejectLog(), 0
+        self.paths = source_paths(cfg.data)  # a missing package fails here, before any row is read
+        bench = decontaminated_against(cfg)
+        self.benchmark = None if bench is None else BenchmarkSpans(bench, tgt.tokenizer, cfg.data.decontaminate_ngram)
         generation = cfg.data.generation
         self.params = sampling_params(generation, generation.backend)
         if not cfg.data.regenerate:
@@ -233,7 +242,7 @@ class SourceConversations:
 
     def __iter__(self) -> Iterator[dict]:
         data = self.cfg.data
-        rows = read_conversations([data.path, *data.mix], data.format, data.split, data.streaming, data.limit)
+        rows = read_conversations(self.paths, data.format, data.split, data.streaming, data.limit, data.max_turns)
         window_rows = data.generation.chunk_rows * (self.world if data.regenerate else 1)
         while window := list(itertools.islice(rows, window_rows)):
             self.total += len(window)
@@ -241,6 +250,8 @@ class SourceConversations:
             for item in window:
                 if item.error is None and data.regenerate:
                     item.error = prompt_too_long(item.row["messages"], data.max_length)
+                if item.error is None and self.benchmark is not None:
+                    item.error = self.benchmark.overlap(item.row["messages"], answers=not data.regenerate)
                 if item.error is not None:
                     self.rejects.add(item.source, item.position, item.error)
                 else:
@@ -345,8 +356,18 @@ def _summary(cfg: RunConfig, want: str, lengths: dict, vocab: DraftVocab, reject
         "loss_tokens": int(vocab.counts_V.sum()),
         "rejects": len(rejects),
         "rejects_by_reason": rejects.by_reason(),
+        "decontamination": _decontamination(cfg, rejects),
         "draft_vocab_size": vocab.size,
         "distinct_loss_tokens": int((vocab.counts_V > 0).sum()),
         "coverage": round(vocab.coverage, 6),
         "timings_s": {k: round(v, 2) for k, v in timings.items()},
     }
+
+
+def _decontamination(cfg: RunConfig, rejects: RejectLog) -> dict | None:
+    """What decontamination checked against and how many conversations it dropped; None where it did not run."""
+    bench = decontaminated_against(cfg)
+    if bench is None:
+        return None
+    dropped = sum(r["reason"] == "benchmark_overlap" for r in rejects.rows)
+    return {"bench": bench, "ngram": cfg.data.decontaminate_ngram, "dropped": dropped}
