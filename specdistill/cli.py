@@ -17,6 +17,7 @@ from specdistill.capture.store import FeatureStoreError
 from specdistill.config import ConfigError
 from specdistill.data.rejects import TooManyRejects
 from specdistill.distributed import failing_together, join_launch
+from specdistill.engines import EngineNotInstalled
 from specdistill.evaluate.bench import BenchError
 from specdistill.export.common import ExportError
 from specdistill.fingerprint import StaleRun
@@ -32,7 +33,7 @@ _work_started = False  # set when a command's own code first runs: a Hydra exit 
 
 USER_ERRORS = (ConfigError, TargetNotFound, BadSamples, FeatureStoreError, TooManyRejects, ExportError,
                FileNotFoundError, JsonlError, BenchError, CorruptFile, StaleRun,
-               HeadMismatch, MissingMandatoryValue)
+               HeadMismatch, MissingMandatoryValue, EngineNotInstalled)
 
 
 def exit_on_user_error(work: Callable[[], T]) -> T:

@@ -105,11 +105,11 @@ class SynthConfig:
 class GenerationConfig:
     """How the target regenerates assistant turns."""
 
-    backend: str = "local"  # local | openai
+    backend: str = "local"  # local | vllm (its offline engine, `make engine`; interpreter: eval.engine.python) | openai
     temperature: float = 0.0
     top_p: float = 1.0
     max_new_tokens: int = 192
-    batch_size: int = 32
+    batch_size: int = 32  # rows decoded together (vllm: its max_num_seqs)
     dtype: str = "auto"  # no exactness needed: auto is bf16 where it is native (faster: benchmarks/prepare.py), else float32
     server_url: str | None = None
     server_model: str | None = None
@@ -342,9 +342,12 @@ def validate(cfg: RunConfig) -> None:
     _choice(cfg.data.source, ("synth", "jsonl", "hf", "sharegpt"), "data.source")
     _choice(cfg.data.format, ("auto", "sharegpt", "messages", "ultrachat", "turns"), "data.format")
     _choice(cfg.data.overlong, ("truncate", "drop"), "data.overlong")
-    _choice(cfg.data.generation.backend, ("local", "openai"), "data.generation.backend")
+    _choice(cfg.data.generation.backend, ("local", "vllm", "openai"), "data.generation.backend")
     if cfg.data.source in ("jsonl", "hf"):
         _check(cfg.data.path is not None, "data.path", f"is required when data.source={cfg.data.source}")
+    _check(cfg.data.generation.backend != "vllm" or cfg.data.source != "synth", "data.generation.backend",
+           "vllm regenerates given conversations (data.source=jsonl, hf or sharegpt); synthesis runs our own decode loop "
+           "(backend=local)")
     if cfg.data.generation.backend == "openai" and cfg.data.regenerate:
         _check(cfg.data.generation.server_url is not None, "data.generation.server_url", "is required for backend=openai")
     _at_least(cfg.data.draft_vocab_size, 1, "data.draft_vocab_size")

@@ -68,6 +68,8 @@ def test_schema_defaults_are_the_embedded_default():
      ("data.synth.answer_max_tokens=-5", "data.synth.answer_max_tokens"),
      ("data.synth.num_conversations=-4", "data.synth.num_conversations"),
      ("data.generation.top_p=0", "data.generation.top_p"), ("data.generation.chunk_rows=0", "data.generation.chunk_rows"),
+     ("data.generation.backend=sglang", "data.generation.backend"),
+     ("data.generation.backend=vllm", "data.generation.backend"),  # the default data is synthesized: our loop
      ("data.limit=0", "data.limit"), ("train.betas=[0.9,1.5]", "train.betas"),
      ("data.source=csv", "data.source"), ("data.max_turns=0", "data.max_turns"),
      ("data.decontaminate_ngram=-1", "data.decontaminate_ngram"),

@@ -35,17 +35,6 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
 
-@pytest.fixture(scope="module")
-def engine_ready():
-    """Skip where the engine is not installed; under SPECDISTILL_ENGINE=1 (make test SLOW=1) fail instead."""
-    try:
-        engine.engine_python("vllm", None)
-    except engine.EngineError as err:
-        if os.environ.get("SPECDISTILL_ENGINE") == "1":
-            pytest.fail(f"SPECDISTILL_ENGINE=1 but no engine: {err}")
-        pytest.skip(str(err))
-
-
 # --- the comparison, without an engine ------------------------------------------------------------------
 
 

@@ -9,6 +9,7 @@ Output layout under the data dir (`cfg.out`, else `<run dir>/data`), read by cap
   summary.json        counts, rejects per reason, decontamination, coverage, timings; written last, so its presence
                       with a matching fingerprint means the stage is complete and can be skipped
   cache/              generated conversations by content hash (a killed run resumes from here)
+  engine/             each rank's vLLM log (data.generation.backend=vllm)
   .build/             Arrow files of the conversations and tokenized rows while the stage runs (removed)
 
 Nothing is held whole in memory: sources stream one window at a time (`SourceConversations`), rows go to
@@ -45,10 +46,12 @@ from specdistill.data.rejects import RejectLog, RowError, TooManyRejects
 from specdistill.data.sources import SourceRow, read_conversations, source_paths
 from specdistill.data.synth import synthesize
 from specdistill.data.template import ChatFormat
+from specdistill.data.vllm_generate import VllmGenerator
 from specdistill.data.vocab import DraftVocab, build_draft_vocab, count_tokens
 from specdistill.distributed import join_launch
+from specdistill.engines import engine_python
 from specdistill.io import atomic_dir, write_json
-from specdistill.target import Target, check_vocab_fits, computing_in
+from specdistill.target import Target, check_vocab_fits, computing_in, resolve_dtype, served_dir
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +211,17 @@ def _local_generator(cfg: RunConfig, tgt: Target, chat: ChatFormat, batch_size: 
                           chat.stop_token_ids(), batch_size, num_tokens=len(tgt.tokenizer))
 
 
+def _vllm_generator(cfg: RunConfig, tgt: Target, chat: ChatFormat, rank: int) -> VllmGenerator:
+    """vLLM serving the target's folder in the generation dtype, on this rank's device, stopping where our decode
+    loop stops. The engine's interpreter is the evaluation's (`eval.engine.python`, else `.engine/`)."""
+    device = next(tgt.model.parameters()).device
+    python = engine_python("vllm", cfg.eval.engine.python, "data.generation.backend=vllm")
+    return VllmGenerator(served_dir(cfg.target), python, resolve_dtype(cfg.data.generation.dtype, device),
+                         tgt.config.max_position_embeddings, chat.stop_token_ids(), cfg.data.generation.batch_size,
+                         len(tgt.tokenizer), tgt.vocab_size, device,
+                         data_dir_of(cfg) / "engine" / f"regenerate.rank{rank}.log")
+
+
 def _conversation_rows(stream: Iterator[dict]) -> Iterator[dict]:
     """{messages, provenance} dicts -> the JSON-string rows of the Arrow file `from_generator` writes."""
     for c in stream:
@@ -232,31 +246,38 @@ class SourceConversations:
         self.benchmark = None if bench is None else BenchmarkSpans(bench, tgt.tokenizer, cfg.data.decontaminate_ngram)
         generation = cfg.data.generation
         self.params = sampling_params(generation, generation.backend)
+        self.engine: VllmGenerator | None = None  # stopped once the sources are read
         if not cfg.data.regenerate:
             self.backend = None
         elif generation.backend == "openai":
             self.backend = OpenAIBackend(generation, cfg.target.name)
         else:
-            self.backend = LocalBackend(_local_generator(cfg, tgt, chat, generation.batch_size), chat, generation,
-                                        cfg.seed, max_prompt_tokens=cfg.data.max_length)
+            if generation.backend == "vllm":
+                self.engine = _vllm_generator(cfg, tgt, chat, rank)
+            generator = self.engine or _local_generator(cfg, tgt, chat, generation.batch_size)
+            self.backend = LocalBackend(generator, chat, generation, cfg.seed, max_prompt_tokens=cfg.data.max_length)
 
     def __iter__(self) -> Iterator[dict]:
         data = self.cfg.data
         rows = read_conversations(self.paths, data.format, data.split, data.streaming, data.limit, data.max_turns)
         window_rows = data.generation.chunk_rows * (self.world if data.regenerate else 1)
-        while window := list(itertools.islice(rows, window_rows)):
-            self.total += len(window)
-            good = []
-            for item in window:
-                if item.error is None and data.regenerate:
-                    item.error = prompt_too_long(item.row["messages"], data.max_length)
-                if item.error is None and self.benchmark is not None:
-                    item.error = self.benchmark.overlap(item.row["messages"], answers=not data.regenerate)
-                if item.error is not None:
-                    self.rejects.add(item.source, item.position, item.error)
-                else:
-                    good.append(item)
-            yield from (self._regenerated(good) if data.regenerate else map(self._as_is, good))
+        try:
+            while window := list(itertools.islice(rows, window_rows)):
+                self.total += len(window)
+                good = []
+                for item in window:
+                    if item.error is None and data.regenerate:
+                        item.error = prompt_too_long(item.row["messages"], data.max_length)
+                    if item.error is None and self.benchmark is not None:
+                        item.error = self.benchmark.overlap(item.row["messages"], answers=not data.regenerate)
+                    if item.error is not None:
+                        self.rejects.add(item.source, item.position, item.error)
+                    else:
+                        good.append(item)
+                yield from (self._regenerated(good) if data.regenerate else map(self._as_is, good))
+        finally:
+            if self.engine is not None:
+                self.engine.close()  # its memory is the next stage's
 
     def _provenance(self, row: SourceRow, regenerated: bool) -> dict:
         provenance = {"source": row.source, "row": row.position, "target": self.cfg.target.name,

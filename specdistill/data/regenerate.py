@@ -5,7 +5,8 @@ processed in chunks; within a chunk, turn k of every row is generated in one bat
 k + 1 with those answers in the context. A finished row goes into the conversation cache under a
 hash of its source messages, the sampling settings and the target, so a restarted run skips it.
 With torch.distributed initialised, rank r takes rows r, r + world, ... (by source order), so ranks
-never overlap and together cover every row.
+never overlap and together cover every row. With the vLLM backend every rank starts an engine of its own: one
+per GPU on a GPU node, while on a CPU the engines share (and fight over) the same cores.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from specdistill.data.generate import LocalGenerator
 from specdistill.data.rejects import RejectLog, RowError
 from specdistill.data.sources import SourceRow
 from specdistill.data.template import ChatFormat
+from specdistill.data.vllm_generate import VllmGenerator
 
 log = logging.getLogger(__name__)
 
@@ -28,12 +30,14 @@ class Backend(Protocol):
 
 
 class LocalBackend:
-    """Replies from the target itself, batched through `LocalGenerator`. A prompt of `max_prompt_tokens` or more
-    is rejected before generation: it leaves no room for an answer in the samples, and one huge prompt in a
-    batch would take the memory of the whole job."""
+    """Replies from the target on this machine, batched through `LocalGenerator` (our decode loop) or
+    `VllmGenerator` (vLLM's offline engine): either way the prompts are our chat template's token ids and the
+    answers are decoded by our tokenizer. A prompt of `max_prompt_tokens` or more is rejected before generation:
+    it leaves no room for an answer in the samples, and one huge prompt in a batch would take the memory of the
+    whole job."""
 
-    def __init__(self, generator: LocalGenerator, chat: ChatFormat, generation: GenerationConfig, seed: int,
-                 max_prompt_tokens: int | None = None):
+    def __init__(self, generator: LocalGenerator | VllmGenerator, chat: ChatFormat, generation: GenerationConfig,
+                 seed: int, max_prompt_tokens: int | None = None):
         self.generator, self.chat, self.generation, self.seed = generator, chat, generation, seed
         self.max_prompt_tokens = max_prompt_tokens
 

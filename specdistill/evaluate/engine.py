@@ -13,13 +13,10 @@ reported loudly, never tuned away.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import logging
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -27,6 +24,7 @@ from tqdm import tqdm
 
 from specdistill.cache import ResultCache, content_key
 from specdistill.config import ENGINE_LAYOUTS, EngineConfig, EvalConfig, RunConfig
+from specdistill.engines import EXCEPTION_LINE, EngineError, engine_env, engine_python, log_tail
 from specdistill.evaluate.bench import conversation_ids, load_prompts, turn_batches
 from specdistill.export import export_eagle3, export_mtp
 from specdistill.export.common import CONFIG_FILE, DTYPES, WEIGHTS_FILE, read_config
@@ -37,9 +35,6 @@ from specdistill.target import Target, TargetRunner, computing_in, keeps_recurre
 
 log = logging.getLogger(__name__)
 WORKERS = {"vllm": Path(__file__).with_name("vllm_worker.py")}
-LOCAL_ENGINE_PYTHON = Path(__file__).resolve().parents[2] / ".engine" / "bin" / "python"  # made by `make engine`
-# What the vLLM CPU backend needs on a shared machine; a value the user set wins.
-ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1"}
 # Log lines in which an engine says weights were skipped, left uninitialised or not found.
 WEIGHT_PROBLEM = re.compile(r"missing (keys?|weights?|parameters?)|unexpected (keys?|weights?|parameters?)"
                             r"|not (been )?(loaded|initiali[sz]ed)|were not used|weights not found", re.IGNORECASE)
@@ -48,24 +43,7 @@ WEIGHT_PROBLEM = re.compile(r"missing (keys?|weights?|parameters?)|unexpected (k
 # outcomes within a prompt are correlated, so the plain standard error is an underestimate: hence 3, not 2.
 # Measured spread in docs/results.md ("vLLM in the loop").
 BF16_Z_LIMIT = 3.0
-EXCEPTION_LINE = re.compile(r"\b\w*(Error|Exception): ")
 NEAR_TIE_SHARE = 0.01  # float32: at most this share of drafts scored differently, and tau within it, is a near-tie
-
-
-class EngineError(RuntimeError):
-    """The engine could not run a head; the message names the engine, the run and its log file."""
-
-
-def engine_python(engine: str, configured: str | None) -> str:
-    """The interpreter that has the engine: as configured, else `.engine/` beside the package, else this one."""
-    if configured:
-        return configured
-    if LOCAL_ENGINE_PYTHON.exists():
-        return str(LOCAL_ENGINE_PYTHON)
-    if importlib.util.find_spec(engine) is None:
-        raise EngineError(f"eval.engine.name={engine}: {engine} is not installed here; `make engine` installs it into "
-                          f"{LOCAL_ENGINE_PYTHON.parents[1]}, or set eval.engine.python to an interpreter that has it")
-    return sys.executable
 
 
 def rounded(head, dtype: str):
@@ -143,17 +121,14 @@ def run_worker(engine: str, python: str, request: dict, work: Path, run_name: st
     request_path, result_path, log_path = (work / f"{run_name}.{suffix}" for suffix in ("request.json", "result.json", "log"))
     write_json(request_path, request)
     result_path.unlink(missing_ok=True)
-    env = {**ENGINE_ENV, "OMP_NUM_THREADS": str(torch.get_num_threads()), **os.environ}
     with open(log_path, "w") as log_file:
-        proc = subprocess.run([python, str(WORKERS[engine]), str(request_path), str(result_path)], env=env,
+        proc = subprocess.run([python, str(WORKERS[engine]), str(request_path), str(result_path)], env=engine_env(),
                               stdout=log_file, stderr=subprocess.STDOUT)
-    lines = log_path.read_text(errors="replace").splitlines()
     if proc.returncode != 0 or not result_path.exists():
-        first = next((line for line in lines if EXCEPTION_LINE.search(line)), None)  # a worker's, logged early
-        tail = "\n".join(([first] if first is not None and first not in lines[-30:] else []) + lines[-30:])
         raise EngineError(f"{engine} ({run_name}, {python}) exited with code {proc.returncode}; its log is "
-                          f"{log_path}, ending:\n{tail}")
+                          f"{log_path}, ending:\n{log_tail(log_path)}")
     result = json.loads(result_path.read_text())
+    lines = log_path.read_text(errors="replace").splitlines()
     result["weight_warnings"] = [line for line in lines if WEIGHT_PROBLEM.search(line)]
     done.put(key, result)
     return result
@@ -232,7 +207,7 @@ def engine_evaluation(ec: EngineConfig, ev: EvalConfig, target: Target, head, ex
     prompts, our_outputs, rounds = our_chain(target, head, ev, k)
     ours = {"drafter": f"chain of {k}", **chain_counters(rounds, k)}
     ours["tau"] = tau_of(ours)
-    python, work = engine_python(ec.name, ec.python), out_dir / "engine"
+    python, work = engine_python(ec.name, ec.python, f"eval.engine.name={ec.name}"), out_dir / "engine"
     request = {"target": str(target_dir), "draft": None, "layout": None, "num_speculative_tokens": k,
                "dtype": ec.dtype, "enforce_eager": True, "max_model_len": target.config.max_position_embeddings,
                "max_num_seqs": ec.max_num_seqs, "max_new_tokens": ev.max_new_tokens, "prompts": prompts}
