@@ -81,24 +81,30 @@ class SynthConfig:
     # Each question starts from one of these openers, drawn uniformly ("" = free Magpie): steers the mix
     # of tasks (instructions, math, code, translation) without any seed dataset.
     openers: list[str] = field(default_factory=lambda: list(DEFAULT_OPENERS))
-    # Share of conversations that work over a document the target wrote itself (one of the answers
-    # above), through one of `document_prompts` ("{document}" marks where it goes): summarising,
-    # rewriting, translating, answering from context; the head learns to copy from its context.
-    document_share: float = 0.35
-    document_prompts: list[str] = field(default_factory=lambda: list(DEFAULT_DOCUMENT_PROMPTS))
-    document_min_chars: int = 300
-    # Answers joined into one document, in rotation over the documents ([1, 1, 6]: every third document
-    # joins six): serving documents (retrieved passages, articles to summarise) run to a thousand tokens
-    # and more, longer than one answer, and the head must learn to copy across such distances.
-    document_parts: list[int] = field(default_factory=lambda: [1])
     # Conversations on top of the others that hand the target its own translation into another language (an
-    # answer to `back_translation_source`, one of `document_prompts`) in `back_translation_prompt`: Spec-Bench's
+    # answer to `back_translation_source`, one of `data.documents.prompts`) in `back_translation_prompt`: Spec-Bench's
     # translation prompts (a sixth of it) are German to translate, and self-written questions are almost never
     # in German (1 in 511 of the default's), so without these the head never drafts from foreign text in context.
-    # About document_share * num_conversations / len(document_prompts) sources exist.
+    # About documents.share * num_conversations / len(documents.prompts) sources exist.
     back_translations: int = 0
     back_translation_source: str = "Translate the following text into German:\n\n{document}"
     back_translation_prompt: str = "Translate German to English: {document}"
+
+
+@dataclass
+class DocumentsConfig:
+    """Conversations that work over a document the target wrote itself (one of its answers to the other
+    conversations, synthesised or regenerated), through one of `prompts` ("{document}" marks where it goes):
+    summarising, rewriting, translating, answering from context. The head learns to copy from its context,
+    which summarisation and retrieval traffic is made of."""
+
+    share: float = 0.35  # of all conversations, in [0, 1); made where the target answers (synth, data.regenerate)
+    prompts: list[str] = field(default_factory=lambda: list(DEFAULT_DOCUMENT_PROMPTS))
+    min_chars: int = 300  # shorter answers are not used as documents
+    # Answers joined into one document, in rotation over the documents ([1, 1, 6]: every third document
+    # joins six): serving documents (retrieved passages, articles to summarise) run to a thousand tokens
+    # and more, longer than one answer, and the head must learn to copy across such distances.
+    parts: list[int] = field(default_factory=lambda: [1])
 
 
 @dataclass
@@ -135,6 +141,7 @@ class DataConfig:
     # counted in tokens is as long as the tokenizer makes it: the random targets' tokens are single bytes.
     decontaminate_ngram: int = 0
     synth: SynthConfig = field(default_factory=SynthConfig)
+    documents: DocumentsConfig = field(default_factory=DocumentsConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     max_length: int = 2048
     overlong: str = "truncate"  # truncate | drop
@@ -366,23 +373,23 @@ def validate(cfg: RunConfig) -> None:
     synth = cfg.data.synth
     for name in ("num_conversations", "question_max_tokens", "answer_max_tokens", "batch_size"):
         _at_least(getattr(synth, name), 1, f"data.synth.{name}")
-    for name in ("min_question_chars", "document_min_chars"):
-        _at_least(getattr(synth, name), 0, f"data.synth.{name}")
+    _at_least(synth.min_question_chars, 0, "data.synth.min_question_chars")
     _at_least(synth.question_temperature, 0, "data.synth.question_temperature")
     _within(synth.question_top_p, 0, 1, "data.synth.question_top_p", low_open=True)
     _check(len(synth.openers) > 0, "data.synth.openers", "is empty; use [\"\"] for free Magpie questions")
-    _check(0.0 <= synth.document_share < 1.0, "data.synth.document_share", "must be in [0, 1)")
-    _check(len(synth.document_parts) > 0 and min(synth.document_parts) >= 1, "data.synth.document_parts",
-           f"must be a non-empty list of part counts >= 1, got {list(synth.document_parts)}")
-    for i, template in enumerate(synth.document_prompts):
-        _check("{document}" in template, f"data.synth.document_prompts[{i}]",
+    docs = cfg.data.documents
+    _check(0.0 <= docs.share < 1.0, "data.documents.share", "must be in [0, 1)")
+    _at_least(docs.min_chars, 0, "data.documents.min_chars")
+    _check(len(docs.parts) > 0 and min(docs.parts) >= 1, "data.documents.parts",
+           f"must be a non-empty list of part counts >= 1, got {list(docs.parts)}")
+    for i, template in enumerate(docs.prompts):
+        _check("{document}" in template, f"data.documents.prompts[{i}]",
                f"{template[:60]!r} has no {{document}} placeholder")
-    _check(synth.document_share == 0 or len(synth.document_prompts) > 0, "data.synth.document_prompts",
-           "is empty but data.synth.document_share > 0")
+    _check(docs.share == 0 or len(docs.prompts) > 0, "data.documents.prompts", "is empty but data.documents.share > 0")
     _check(synth.back_translations >= 0, "data.synth.back_translations", "must be >= 0")
     if synth.back_translations:
-        _check(synth.back_translation_source in synth.document_prompts, "data.synth.back_translation_source",
-               f"{synth.back_translation_source[:60]!r} is not one of data.synth.document_prompts")
+        _check(synth.back_translation_source in docs.prompts, "data.synth.back_translation_source",
+               f"{synth.back_translation_source[:60]!r} is not one of data.documents.prompts")
         _check("{document}" in synth.back_translation_prompt, "data.synth.back_translation_prompt",
                f"{synth.back_translation_prompt[:60]!r} has no {{document}} placeholder")
     _check(0.0 <= cfg.data.max_reject_share <= 1.0, "data.max_reject_share", "must be in [0, 1]")

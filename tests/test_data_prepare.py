@@ -38,7 +38,7 @@ class NoTarget:
         raise AssertionError("the target must not be loaded")
 
 
-PREPARED = ("data.synth.document_parts=[2,1]",)  # documents of two answers, then one, in rotation
+PREPARED = ("data.documents.parts=[2,1]",)  # documents of two answers, then one, in rotation
 
 
 @pytest.fixture(scope="module")
@@ -81,16 +81,16 @@ def test_conversations_are_unique_and_masks_cover_the_answer(prepared):
 
 def test_questions_follow_openers_and_documents_are_earlier_answers(prepared):
     cfg, out, _, _ = prepared
-    synth = cfg.data.synth
+    synth, docs = cfg.data.synth, cfg.data.documents
     rows = [(json.loads(r["messages"]), json.loads(r["provenance"])) for r in load_prepared(out).samples]
     answers = {p["row"]: m[1]["content"] for m, p in rows if "document_of" not in p}
     documents = [(m, p) for m, p in rows if "document_of" in p]
-    assert len(documents) == round(synth.num_conversations * synth.document_share) > 0
-    assert {len(p["document_of"]) for _, p in documents} == set(synth.document_parts) == {1, 2}
+    assert len(documents) == round(synth.num_conversations * docs.share) > 0
+    assert {len(p["document_of"]) for _, p in documents} == set(docs.parts) == {1, 2}
     for messages, provenance in rows:
         if "document_of" in provenance:
             parts = [answers[row] for row in provenance["document_of"]]
-            assert all(len(part) >= synth.document_min_chars for part in parts)
+            assert all(len(part) >= docs.min_chars for part in parts)
             document = "\n\n".join(parts)
             assert messages[0]["content"] == provenance["document_prompt"].replace("{document}", document)
         else:
@@ -141,7 +141,7 @@ def test_resume_from_the_cache_generates_nothing_again(prepared, tmp_path):
 def test_more_conversations_generate_only_the_new_ones(tmp_path):
     """A run that asks for more conversations reuses every question and answer a smaller run made, answering
     only the rest of an attempt the smaller run needed only part of; a smaller run reads a larger one's."""
-    grow = ("data.synth.batch_size=1", "data.synth.document_share=0")  # attempts of 8 questions, no documents
+    grow = ("data.synth.batch_size=1", "data.documents.share=0")  # attempts of 8 questions, no documents
     target, original = None, LocalGenerator.generate
 
     def prepare(name: str, count: int, cache_from: str | None = None) -> tuple[list[str], list[tuple[str, int]]]:
@@ -189,12 +189,14 @@ def test_back_translations_come_on_top_and_reuse_every_cached_batch(prepared, tm
         assert messages[0]["content"] == cfg2.data.synth.back_translation_prompt.replace("{document}", translated)
 
 
-def write_chats(path: Path, good: int, broken_at: int) -> list[dict]:
-    """`good` ShareGPT rows, with a row lacking its text inserted as line `broken_at`; returns the good rows."""
+def write_chats(path: Path, good: int, broken_at: int | None) -> list[dict]:
+    """`good` ShareGPT rows, with a row lacking its text inserted as line `broken_at` (if any); returns the good
+    rows."""
     rows = [{"conversations": [{"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": "old"}]}
             for i in range(good)]
     lines = [json.dumps(r) for r in rows]
-    lines.insert(broken_at - 1, json.dumps({"conversations": [{"from": "human"}]}))
+    if broken_at is not None:
+        lines.insert(broken_at - 1, json.dumps({"conversations": [{"from": "human"}]}))
     path.write_text("\n".join(lines) + "\n")
     return rows
 
@@ -215,6 +217,31 @@ def test_sources_are_read_and_regenerated_one_window_at_a_time(prepared, tmp_pat
         ("line 3", "missing_field")]
 
 
+def test_document_tasks_over_regenerated_answers_are_answered_too(prepared, tmp_path):
+    """A quarter of the conversations work over the target's own regenerated answers (answers of at least
+    `min_chars` only), answered by the target like any other turn; without regeneration there are none."""
+    *_, target = prepared
+    write_chats(tmp_path / "chats.jsonl", good=9, broken_at=None)
+    overrides = ["data.source=jsonl", f"data.path={tmp_path / 'chats.jsonl'}", "data.generation.max_new_tokens=6",
+                 "data.documents.share=0.25", "data.generation.chunk_rows=4"]
+    cfg = smoke_cfg(tmp_path / "out", *overrides, "data.documents.min_chars=1")
+    conversations = list(SourceConversations(cfg, target, ChatFormat(target.tokenizer), ResultCache(tmp_path / "c"),
+                                             0, 1))
+    answers = {c["provenance"]["row"]: c["messages"][1]["content"] for c in conversations[:9]}
+    documents = conversations[9:]
+    assert len(documents) == 3 and all(c["provenance"]["source"] == "documents" for c in documents)
+    for c in documents:
+        document = "\n\n".join(answers[row] for row in c["provenance"]["document_of"])
+        assert c["messages"][0]["content"] == c["provenance"]["document_prompt"].replace("{document}", document)
+        assert c["messages"][1]["role"] == "assistant" and c["provenance"]["regenerated"]
+    too_short = smoke_cfg(tmp_path / "out", *overrides, "data.documents.min_chars=100000")
+    assert len(list(SourceConversations(too_short, target, ChatFormat(target.tokenizer),
+                                        ResultCache(tmp_path / "c"), 0, 1))) == 9
+    as_given = smoke_cfg(tmp_path / "out", *overrides, "data.regenerate=false", "data.documents.min_chars=1")
+    assert len(list(SourceConversations(as_given, target, ChatFormat(target.tokenizer),
+                                        ResultCache(tmp_path / "c"), 0, 1))) == 9
+
+
 @pytest.mark.slow  # two processes, each loading torch and the tiny target: ~30 s
 def test_two_processes_regenerate_disjoint_shares_and_keep_every_row_once(tmp_path):
     rows = write_chats(tmp_path / "chats.jsonl", good=9, broken_at=5)
@@ -222,7 +249,8 @@ def test_two_processes_regenerate_disjoint_shares_and_keep_every_row_once(tmp_pa
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--main_process_port", "29541", "data_prep/prepare.py", "+exp=smoke",
            "data.source=jsonl", f"data.path={tmp_path / 'chats.jsonl'}", "data.regenerate=true", f"out={out}",
-           "data.generation.max_new_tokens=4", "data.generation.chunk_rows=2"]
+           "data.generation.max_new_tokens=4", "data.generation.chunk_rows=2", "data.documents.share=0.25",
+           "data.documents.min_chars=1"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -233,10 +261,11 @@ def test_two_processes_regenerate_disjoint_shares_and_keep_every_row_once(tmp_pa
     assert keys[0] and keys[1] and not set(keys[0]) & set(keys[1])  # each rank wrote its own share
     wanted = [row_key([{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "old"}],
                       params, cfg.target.name) for i in range(len(rows))]
-    assert sorted(keys[0] + keys[1]) == sorted(wanted)  # together every good row, once
+    documents = 3  # a quarter of 12: the 9 good rows and their document tasks, regenerated by both ranks too
+    assert set(wanted) <= set(keys[0] + keys[1]) and len(keys[0] + keys[1]) == len(set(keys[0] + keys[1])) == 12
     samples = load_prepared(out).samples
     positions = [json.loads(p)["row"] for p in samples["provenance"]]
-    assert positions == [f"line {n}" for n in (1, 2, 3, 4, 6, 7, 8, 9, 10)]  # in source order, each once
+    assert positions == [f"line {n}" for n in (1, 2, 3, 4, 6, 7, 8, 9, 10)] + [f"document {i}" for i in range(documents)]
     rejects = [json.loads(line) for line in (out / "rejects.jsonl").open()]
     assert [(r["position"], r["reason"]) for r in rejects] == [("line 5", "missing_field")]
 
@@ -248,7 +277,7 @@ def test_real_embedded_target_synthesises_and_masks(tmp_path):
         cfg = to_run_config(compose("config", overrides=[
             f"out={tmp_path}", "data.synth.num_conversations=4", "data.synth.batch_size=4",
             "data.synth.question_max_tokens=24", "data.synth.answer_max_tokens=16",
-            "data.synth.document_min_chars=20"]))
+            "data.documents.min_chars=20"]))
     target = LazyTarget(cfg)
     summary = run(cfg, target)
     tok = target.get().tokenizer

@@ -146,7 +146,7 @@ def embedded_run(tmp_path_factory, engine_ready):
     overrides = [
         f"run_root={root}", "name=engine", "wandb.mode=disabled", "stages=[prepare,capture,train,evaluate]",
         "data.synth.num_conversations=16", "data.synth.batch_size=16", "data.synth.answer_max_tokens=96",
-        "data.synth.document_min_chars=100", "data.draft_vocab_size=2048", "train.max_steps=30", "train.ttt_steps=3",
+        "data.documents.min_chars=100", "data.draft_vocab_size=2048", "train.max_steps=30", "train.ttt_steps=3",
         "train.batch_tokens=1024", "eval.engine.name=vllm", *EVAL,
     ]
     proc = subprocess.run([sys.executable, "train.py", *overrides], cwd=ROOT, capture_output=True, text=True,

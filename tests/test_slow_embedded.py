@@ -17,7 +17,7 @@ def test_every_stage_on_the_embedded_target(tmp_path):
     overrides = [
         f"run_root={tmp_path}", "name=slow", "wandb.mode=disabled",
         "data.synth.num_conversations=8", "data.synth.batch_size=8", "data.synth.answer_max_tokens=48",
-        "data.synth.document_min_chars=100",
+        "data.documents.min_chars=100",
         "data.draft_vocab_size=2048", "train.max_steps=4", "train.ttt_steps=3", "train.batch_tokens=1024",
         "eval.limit=2", "eval.max_new_tokens=24", "eval.tree.depth=3", "eval.tree.topk=4", "eval.tree.num_draft_tokens=12",
     ]

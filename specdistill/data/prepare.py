@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import random
 import shutil
 import time
 from collections.abc import Iterator
@@ -34,6 +35,7 @@ import torch
 from specdistill.cache import ResultCache, content_key
 from specdistill.config import ConfigError, RunConfig
 from specdistill.data.decontaminate import BenchmarkSpans
+from specdistill.data.documents import answers_needed, document_tasks, documents_wanted
 from specdistill.data.generate import LocalGenerator
 from specdistill.data.openai_client import OpenAIBackend
 from specdistill.data.regenerate import (
@@ -48,7 +50,7 @@ from specdistill.data.synth import synthesize
 from specdistill.data.template import ChatFormat
 from specdistill.data.vllm_generate import VllmGenerator
 from specdistill.data.vocab import DraftVocab, build_draft_vocab, count_tokens
-from specdistill.distributed import join_launch
+from specdistill.distributed import gather_objects, join_launch
 from specdistill.engines import engine_python
 from specdistill.io import atomic_dir, write_json
 from specdistill.target import Target, check_vocab_fits, computing_in, resolve_dtype, served_dir
@@ -135,8 +137,8 @@ def run(cfg: RunConfig, target) -> dict:
         if rank != 0:  # synthesis is one sampling stream; the other ranks wait for its result
             return _wait_for_rank0(data_dir)
         synthesized, collect_rejects = synthesize(_local_generator(cfg, tgt, chat, cfg.data.synth.batch_size), chat,
-                                                  cfg.data.synth, cfg.data.generation, cache, cfg.target.name,
-                                                  cfg.seed)
+                                                  cfg.data.synth, cfg.data.documents, cfg.data.generation, cache,
+                                                  cfg.target.name, cfg.seed)
         stream, counted = iter(synthesized), RejectLog()  # synthesis filters are not bad input
     else:
         sources = SourceConversations(cfg, tgt, chat, cache, rank, world)
@@ -241,6 +243,8 @@ class SourceConversations:
                  world: int):
         self.cfg, self.cache, self.rank, self.world = cfg, cache, rank, world
         self.rejects, self.total = RejectLog(), 0
+        self.regenerated = 0  # conversations yielded (rank 0)
+        self.long_answers: list[tuple[str, str]] = []  # (position, cache key) of those with a document-long answer
         self.paths = source_paths(cfg.data)  # a missing package fails here, before any row is read
         bench = decontaminated_against(cfg)
         self.benchmark = None if bench is None else BenchmarkSpans(bench, tgt.tokenizer, cfg.data.decontaminate_ngram)
@@ -260,28 +264,61 @@ class SourceConversations:
     def __iter__(self) -> Iterator[dict]:
         data = self.cfg.data
         rows = read_conversations(self.paths, data.format, data.split, data.streaming, data.limit, data.max_turns)
-        window_rows = data.generation.chunk_rows * (self.world if data.regenerate else 1)
         try:
-            while window := list(itertools.islice(rows, window_rows)):
-                self.total += len(window)
-                good = []
-                for item in window:
-                    if item.error is None and data.regenerate:
-                        item.error = prompt_too_long(item.row["messages"], data.max_length)
-                    if item.error is None and self.benchmark is not None:
-                        item.error = self.benchmark.overlap(item.row["messages"], answers=not data.regenerate)
-                    if item.error is not None:
-                        self.rejects.add(item.source, item.position, item.error)
-                    else:
-                        good.append(item)
-                yield from (self._regenerated(good) if data.regenerate else map(self._as_is, good))
+            yield from self._windows(rows, check=True)
+            if data.documents.share > 0 and not data.regenerate:
+                log.info("data.regenerate=false: no document tasks (data.documents.share), which need the target's "
+                         "answers")
+            elif data.documents.share > 0:
+                yield from self._windows(iter(self._document_rows()), check=False)
         finally:
             if self.engine is not None:
                 self.engine.close()  # its memory is the next stage's
 
+    def _windows(self, rows: Iterator[SourceRow], check: bool) -> Iterator[dict]:
+        """`rows` one window at a time, the bad ones rejected (`check`: the source rows' checks), the rest
+        regenerated or passed on as they are."""
+        data = self.cfg.data
+        window_rows = data.generation.chunk_rows * (self.world if data.regenerate else 1)
+        while window := list(itertools.islice(rows, window_rows)):
+            self.total += len(window)
+            good = []
+            for item in window:
+                if check and item.error is None and data.regenerate:
+                    item.error = prompt_too_long(item.row["messages"], data.max_length)
+                if check and item.error is None and self.benchmark is not None:
+                    item.error = self.benchmark.overlap(item.row["messages"], answers=not data.regenerate)
+                if item.error is not None:
+                    self.rejects.add(item.source, item.position, item.error)
+                else:
+                    good.append(item)
+            yield from (self._regenerated(good) if data.regenerate else map(self._as_is, good))
+
+    def _document_rows(self) -> list[SourceRow]:
+        """Document tasks over the regenerated answers (`documents.document_tasks`), as rows every rank has:
+        rank 0, which read every regenerated conversation, picks the answers and shares the rows."""
+        docs, rows = self.cfg.data.documents, None
+        if self.rank == 0:
+            wanted = documents_wanted(docs, self.regenerated)
+            picked = random.Random(self.cfg.seed).sample(self.long_answers,
+                                                         min(len(self.long_answers), answers_needed(docs, wanted)))
+            answers = [(position, self._long_answer(key)) for position, key in picked]
+            rows = [SourceRow("documents", position, {"messages": [{"role": "user", "content": text}],
+                                                      "provenance": provenance})
+                    for position, text, provenance in document_tasks(answers, wanted, docs, self.cfg.seed)]
+            log.info("%d document tasks over %d of the %d regenerated answers of %d characters or more", len(rows),
+                     len(answers), len(self.long_answers), docs.min_chars)
+        return gather_objects(rows)[0]
+
+    def _long_answer(self, key: str) -> str:
+        """The first answer of the cached conversation `key` that is long enough to be a document."""
+        messages = self.cache.get(key)["messages"]
+        return next(m["content"] for m in messages
+                    if m["role"] == "assistant" and len(m["content"]) >= self.cfg.data.documents.min_chars)
+
     def _provenance(self, row: SourceRow, regenerated: bool) -> dict:
         provenance = {"source": row.source, "row": row.position, "target": self.cfg.target.name,
-                      "regenerated": regenerated}
+                      "regenerated": regenerated, **row.row.get("provenance", {})}
         return {**provenance, "sampling": self.params} if regenerated else provenance
 
     def _as_is(self, row: SourceRow) -> dict:
@@ -298,12 +335,17 @@ class SourceConversations:
             return
         failures = {(r["source"], r["position"]): r for r in failed.rows}
         for row in good:
-            entry = self.cache.get(row_key(row.row["messages"], self.params, target_name))
+            key = row_key(row.row["messages"], self.params, target_name)
+            entry = self.cache.get(key)
             if entry is None:
                 known = failures.get((row.source, row.position))
                 self.rejects.add(row.source, row.position, RowError(known["reason"], known["detail"]) if known else
                                  RowError("regeneration_failed", "no regenerated answer (see the other ranks' logs)"))
                 continue
+            self.regenerated += 1
+            if any(m["role"] == "assistant" and len(m["content"]) >= self.cfg.data.documents.min_chars
+                   for m in entry["messages"]):
+                self.long_answers.append((row.position, key))
             yield {"messages": entry["messages"], "provenance": self._provenance(row, True)}
 
 

@@ -26,7 +26,8 @@ import re
 from dataclasses import asdict, dataclass, field
 
 from specdistill.cache import ResultCache, content_key
-from specdistill.config import GenerationConfig, SynthConfig
+from specdistill.config import DocumentsConfig, GenerationConfig, SynthConfig
+from specdistill.data.documents import document_tasks
 from specdistill.data.generate import LocalGenerator
 from specdistill.data.rejects import RejectLog, RowError
 from specdistill.data.template import ChatFormat
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 MAX_ATTEMPTS_PER_NEEDED = 4  # cap: at most 4x the attempts that would do without any reject, plus 2
 # Settings that decide only how many conversations are made or which texts are answered (which the batches'
 # keys hold): they stay out of the cache keys, so a grown data set reuses every batch a smaller one made.
-COUNT_OR_TEXT_SETTINGS = ("num_conversations", "document_", "back_translation")
+COUNT_OR_TEXT_SETTINGS = ("num_conversations", "back_translation")
 
 
 def normalized(text: str) -> str:
@@ -53,11 +54,12 @@ def check_question(question: str, min_chars: int, seen: set[str]) -> None:
         raise RowError("duplicate_question", f"already have {question[:80]!r}")
 
 
-def synthesize(generator: LocalGenerator, chat: ChatFormat, synth: SynthConfig, generation: GenerationConfig,
-               cache: ResultCache, target_name: str, seed: int) -> tuple[list[dict], RejectLog]:
+def synthesize(generator: LocalGenerator, chat: ChatFormat, synth: SynthConfig, documents: DocumentsConfig,
+               generation: GenerationConfig, cache: ResultCache, target_name: str,
+               seed: int) -> tuple[list[dict], RejectLog]:
     """`synth.num_conversations` conversations ({messages, provenance}), unique by question, and the rejects."""
-    run = _Synthesis(generator, chat, synth, generation, cache, target_name, seed)
-    num_documents = round(synth.num_conversations * synth.document_share)
+    run = _Synthesis(generator, chat, synth, documents, generation, cache, target_name, seed)
+    num_documents = round(synth.num_conversations * documents.share)
     conversations = run.question_conversations(synth.num_conversations - num_documents)
     if num_documents:
         documents = run.document_conversations(conversations, num_documents)
@@ -72,6 +74,7 @@ class _Synthesis:
     generator: LocalGenerator
     chat: ChatFormat
     synth: SynthConfig
+    documents: DocumentsConfig
     generation: GenerationConfig
     cache: ResultCache
     target_name: str
@@ -107,40 +110,9 @@ class _Synthesis:
         return conversations
 
     def document_conversations(self, conversations: list[dict], wanted: int) -> list[dict]:
-        """`wanted` conversations over documents: each joins the next count of `document_parts` (in
-        rotation) of the long answers among `conversations`, drawn in a seeded order, and goes into a
-        document prompt. A document is reused (with another prompt) only when there are too few, and never
-        twice with the same prompt."""
-        synth = self.synth
-        answers = [(c["provenance"]["row"], c["messages"][1]["content"]) for c in conversations
-                   if len(c["messages"][1]["content"]) >= synth.document_min_chars]
-        order = random.Random(self.seed + 7)
-        order.shuffle(answers)
-        documents, start = [], 0
-        for k in itertools.cycle(synth.document_parts):
-            part = answers[start : start + k]
-            if len(part) < k:
-                break
-            documents.append(([row for row, _ in part], "\n\n".join(text for _, text in part)))
-            start += k
-        if not documents:
-            log.warning("fewer than data.synth.document_parts[0]=%d answers have data.synth.document_min_chars=%d "
-                        "characters: no document conversations", synth.document_parts[0], synth.document_min_chars)
-            return []
-        templates = synth.document_prompts
-        if wanted > len(documents) * len(templates):
-            log.warning("only %d documents x %d document prompts: %d document conversations instead of %d",
-                        len(documents), len(templates), len(documents) * len(templates), wanted)
-            wanted = len(documents) * len(templates)
-        first_template = [order.randrange(len(templates)) for _ in documents]
-        items = []
-        for i in range(wanted):
-            d, reuse = i % len(documents), i // len(documents)
-            source_rows, document = documents[d]
-            template = templates[(first_template[d] + reuse) % len(templates)]
-            items.append((f"document {i}", template.replace("{document}", document),
-                          {"document_of": source_rows, "document_prompt": template}))
-        return self._answer_all("documents", items)
+        """`wanted` conversations over documents made of the answers among `conversations` (`document_tasks`)."""
+        answers = [(c["provenance"]["row"], c["messages"][1]["content"]) for c in conversations]
+        return self._answer_all("documents", document_tasks(answers, wanted, self.documents, self.seed))
 
     def back_translation_conversations(self, documents: list[dict]) -> list[dict]:
         """`synth.back_translations` conversations, each the answer of one `back_translation_source` document
@@ -151,7 +123,7 @@ class _Synthesis:
         sources = [c for c in documents if c["provenance"]["document_prompt"] == synth.back_translation_source]
         if len(sources) < synth.back_translations:
             log.warning("only %d document tasks asked %r: %d back translations instead of %d (raise "
-                        "data.synth.document_share)", len(sources), synth.back_translation_source[:40], len(sources),
+                        "data.documents.share)", len(sources), synth.back_translation_source[:40], len(sources),
                         synth.back_translations)
         prompt = synth.back_translation_prompt
         items = [(f"back translation {i}", prompt.replace("{document}", c["messages"][1]["content"]),
