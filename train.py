@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 
 from specdistill.cli import exit_on_user_error, run_as_one_job, run_main
 from specdistill.config import register, to_run_config
+from specdistill.layout import RunLayout
 from specdistill.pipeline import run_stages
 from specdistill.summary import print_summary
 
@@ -21,7 +22,7 @@ register()
 @hydra.main(config_path="conf", config_name="config", version_base=None)
 def main(dict_cfg: DictConfig) -> None:
     cfg = exit_on_user_error(lambda: to_run_config(dict_cfg))
-    results = run_as_one_job(cfg.run_dir, lambda: run_stages(cfg))
+    results = run_as_one_job(exit_on_user_error(lambda: RunLayout.of(cfg)).failed_dir, lambda: run_stages(cfg))
     if results is not None:  # rank 0: one summary for the whole job
         print_summary(cfg, results)
 

@@ -25,6 +25,7 @@ import torch
 from specdistill.capture import run as capture_run
 from specdistill.capture.store import FeatureStore, padded_batches, plan_shards
 from specdistill.config import CaptureConfig, RunConfig, TargetConfig
+from specdistill.layout import RunLayout
 from specdistill.pipeline import LazyTarget
 
 
@@ -34,7 +35,7 @@ def synthetic_samples(
     rng = random.Random(seed)
     ids = [[rng.randrange(vocab) for _ in range(rng.randint(min_len, max_len))] for _ in range(num)]
     datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": [[1] * len(x) for x in ids]}).save_to_disk(
-        str(capture_run.samples_dir(cfg)), num_proc=1
+        str(RunLayout.of(cfg, "capture").samples_dir), num_proc=1
     )
     return ids
 
@@ -50,7 +51,7 @@ def time_plain_forward(model, batches: list[tuple[torch.Tensor, torch.Tensor]]) 
 def time_capture(cfg: RunConfig, lazy: LazyTarget, out: Path) -> tuple[float, FeatureStore]:
     cfg.out = str(out)
     t0 = time.perf_counter()
-    capture_run.run(cfg, lazy)
+    capture_run.run(cfg, RunLayout.of(cfg, "capture"), lazy)
     return time.perf_counter() - t0, FeatureStore(out)
 
 

@@ -13,6 +13,7 @@ from specdistill.capture.run import run
 from specdistill.cli import exit_on_user_error, run_as_one_job, run_main
 from specdistill.config import register, to_run_config
 from specdistill.distributed import leave_launch
+from specdistill.layout import RunLayout
 from specdistill.pipeline import LazyTarget
 
 register()
@@ -22,7 +23,7 @@ log = logging.getLogger("specdistill")
 @hydra.main(config_path="../conf", config_name="config", version_base=None)
 def main(dict_cfg: DictConfig) -> None:
     cfg = exit_on_user_error(lambda: to_run_config(dict_cfg))
-    result = run_as_one_job(cfg.run_dir, lambda: run(cfg, LazyTarget(cfg)))
+    result = run_as_one_job(RunLayout.of(cfg, "capture").failed_dir, lambda: run(cfg, RunLayout.of(cfg, "capture"), LazyTarget(cfg)))
     leave_launch()
     log.info("capture: %s", result)
 

@@ -11,8 +11,9 @@ from omegaconf import DictConfig
 
 from specdistill.cli import exit_on_user_error, run_as_one_job, run_main
 from specdistill.config import register, to_run_config
-from specdistill.data.prepare import data_dir_of, run
+from specdistill.data.prepare import run
 from specdistill.distributed import leave_launch
+from specdistill.layout import RunLayout
 from specdistill.pipeline import LazyTarget
 from specdistill.target import resolve_source
 
@@ -24,9 +25,9 @@ log = logging.getLogger("specdistill")
 def main(dict_cfg: DictConfig) -> None:
     cfg = exit_on_user_error(lambda: to_run_config(dict_cfg))
     exit_on_user_error(lambda: resolve_source(cfg.target))
-    summary = run_as_one_job(cfg.run_dir, lambda: run(cfg, LazyTarget(cfg)))
+    summary = run_as_one_job(RunLayout.of(cfg, "prepare").failed_dir, lambda: run(cfg, RunLayout.of(cfg, "prepare"), LazyTarget(cfg)))
     leave_launch()
-    log.info("prepared %d samples (%d rejects) in %s", summary["samples"], summary["rejects"], data_dir_of(cfg))
+    log.info("prepared %d samples (%d rejects) in %s", summary["samples"], summary["rejects"], RunLayout.of(cfg, "prepare").data_dir)
 
 
 if __name__ == "__main__":

@@ -28,9 +28,10 @@ from safetensors.torch import load_file
 
 from specdistill.config import EngineConfig, EvalConfig, RandomTargetConfig, RunConfig, TargetConfig
 from specdistill.evaluate.engine import evaluate_in_engine
-from specdistill.heads import load_head, trained_head_dir
+from specdistill.heads import load_head
 from specdistill.heads.native_mtp import MTP_FAMILIES, family_name, layer_prefixes
 from specdistill.io import save_tensors, write_table
+from specdistill.layout import trained_head_dir
 from specdistill.target import load_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +65,7 @@ def served_beside_ours(run_dir: Path, target: TargetConfig) -> dict:
     evaluate stage's engine check, without the tree evaluation that cannot run on this target."""
     ev = EvalConfig(limit=8, max_new_tokens=48, engine=EngineConfig(name="vllm", dtype="bfloat16"))
     cfg = RunConfig(name=run_dir.name, run_root=str(run_dir.parent), target=target, eval=ev)
-    return evaluate_in_engine(cfg, load_target(target), load_head(trained_head_dir(run_dir)), run_dir / "eval")
+    return evaluate_in_engine(cfg, load_target(target), load_head(trained_head_dir(run_dir / "ckpt")), run_dir / "eval")
 
 
 def perturbed(model: Path, out: Path, noise: float, seed: int = 0) -> Path:

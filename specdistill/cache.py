@@ -3,7 +3,8 @@ everything that determines it.
 
 Append-only JSON lines, flushed and fsynced per write: a killed run loses at most the line being
 written, and a torn last line is ignored on reading, so the next run regenerates exactly that work.
-Each rank appends to its own file and reads every rank's file, so ranks never write the same file.
+Each writer (a rank of one job: `rank0`, or `<entry>.rank0` where jobs building different store entries share a
+cache) appends to its own file and reads every writer's file, so no two processes write the same file.
 Only key -> (file, offset) is held in memory; values are read back from disk when asked for, and
 `reload` reads only what the files gained since the last read, so a set larger than memory streams.
 """
@@ -26,20 +27,20 @@ def content_key(*parts) -> str:
 
 
 class ResultCache:
-    def __init__(self, directory: str | Path, rank: int = 0, stem: str = "conversations"):
+    def __init__(self, directory: str | Path, writer: str = "rank0", stem: str = "conversations"):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.stem = stem
-        self.path = self.directory / f"{stem}.rank{rank}.jsonl"
+        self.path = self.directory / f"{stem}.{writer}.jsonl"
         self.index: dict[str, tuple[Path, int]] = {}  # key -> (file, byte offset of its line)
         self._read_up_to: dict[Path, int] = {}  # bytes of each file already indexed (whole lines only)
         self.reload()
 
     def reload(self) -> None:
-        """Index the lines every rank's file gained since the last call; lines cut short by a killed writer
+        """Index the lines every writer's file gained since the last call; lines cut short by a killed writer
         are skipped, and a last line without its newline is left for a later call."""
         before = len(self.index)
-        for path in sorted(self.directory.glob(f"{self.stem}.rank*.jsonl")):
+        for path in sorted(self.directory.glob(f"{self.stem}.*.jsonl")):
             offset = self._read_up_to.get(path, 0)
             with open(path, "rb") as f:
                 f.seek(offset)

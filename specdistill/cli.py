@@ -54,16 +54,16 @@ def exit_code_of(err: BaseException) -> int:
     return EXIT_USER_ERROR if isinstance(err, USER_ERRORS) else 1
 
 
-def run_as_one_job(job_dir: str | Path, work: Callable[[], T]) -> T:
+def run_as_one_job(failed_dir: str | Path, work: Callable[[], T]) -> T:
     """`exit_on_user_error` for a command every rank of `accelerate launch --num_processes N` runs: the ranks
     join first, and a failure on any rank ends every rank with that failure named (`failing_together`, which keeps
-    its record under `job_dir`)."""
-    return exit_on_user_error(lambda: _joined(Path(job_dir), work))
+    its record in `failed_dir`)."""
+    return exit_on_user_error(lambda: _joined(Path(failed_dir), work))
 
 
-def _joined(job_dir: Path, work: Callable[[], T]) -> T:
+def _joined(failed_dir: Path, work: Callable[[], T]) -> T:
     join_launch()
-    with failing_together(job_dir, exit_code_of):
+    with failing_together(failed_dir, exit_code_of):
         return work()
 
 

@@ -7,7 +7,6 @@ names the offending field, so a typo never costs a 20-minute capture.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -291,10 +290,6 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
-
-    @property
-    def run_dir(self) -> Path:
-        return Path(self.run_root) / self.name
 
 
 def register() -> None:

@@ -4,7 +4,7 @@ Rank and world size are read from torch.distributed: accelerate 1.15 reports `0 
 even when DeepSpeed formed a real multi-rank group.
 
 A job under `accelerate launch --num_processes N` fails as one: the first rank to fail writes its error to
-`<job dir>/failed/rank-<R>.json` before it exits; every other rank, stopped by the launcher (SIGTERM) or by a
+`<failed dir>/rank-<R>.json` (a run's `failed/`) before it exits; every other rank, stopped by the launcher (SIGTERM) or by a
 collective whose peer went away, names that error in its own last line and exits non-zero too, with the first
 failure's exit code.
 """
@@ -27,7 +27,6 @@ import torch
 from specdistill.io import write_json
 
 log = logging.getLogger(__name__)
-FAILED_DIR = "failed"
 # Ranks that wait while rank 0 alone works (export, the engine check, a report) may wait long: a bigger target's
 # engine run can outlast the process group's default 30 minutes, so waits go through a group of their own.
 RANK0_WAIT = timedelta(days=2)
@@ -97,10 +96,10 @@ def _stop_on_sigterm(signum, frame):
     raise Stopped(f"stopped by signal {signum}")
 
 
-def first_failure(job_dir: Path) -> dict | None:
-    """The earliest failure another rank recorded, if any."""
+def first_failure(failed_dir: Path) -> dict | None:
+    """The earliest failure a rank recorded, if any."""
     records = []
-    for path in (job_dir / FAILED_DIR).glob("rank-*.json"):
+    for path in failed_dir.glob("rank-*.json"):
         try:
             records.append(json.loads(path.read_text()))
         except (OSError, ValueError):
@@ -109,7 +108,7 @@ def first_failure(job_dir: Path) -> dict | None:
 
 
 @contextmanager
-def failing_together(job_dir: Path, exit_code_of: Callable[[BaseException], int]) -> Iterator[None]:
+def failing_together(failed_dir: Path, exit_code_of: Callable[[BaseException], int]) -> Iterator[None]:
     """Run a multi-rank job's work so that one rank's failure ends every rank with that failure named.
 
     Rank 0 clears earlier failure records before the ranks first meet. A rank that fails records its error with
@@ -119,7 +118,6 @@ def failing_together(job_dir: Path, exit_code_of: Callable[[BaseException], int]
     if world == 1:
         yield
         return
-    failed_dir = job_dir / FAILED_DIR
     if rank == 0:
         shutil.rmtree(failed_dir, ignore_errors=True)
     wait_for_everyone()
@@ -127,7 +125,7 @@ def failing_together(job_dir: Path, exit_code_of: Callable[[BaseException], int]
     try:
         yield
     except BaseException as err:
-        first = first_failure(job_dir)
+        first = first_failure(failed_dir)
         if first is not None and first["rank"] != rank:
             log.error("rank %d of %d stops: rank %d failed first: %s", rank, world, first["rank"], first["error"])
             sys.exit(first["exit_code"])

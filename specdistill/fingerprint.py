@@ -16,6 +16,7 @@ from specdistill.cache import content_key
 from specdistill.capture.store import HEADER_KEYS, MANIFEST, FeatureStore
 from specdistill.config import RunConfig
 from specdistill.io import sha256_file, weights_fingerprint
+from specdistill.layout import RunLayout
 from specdistill.target import Target
 
 log = logging.getLogger(__name__)
@@ -63,35 +64,35 @@ def check_same(what: Path, recorded: dict, current: dict, name: str) -> None:
                        "training checkpoints and train anew")
 
 
-def train_fingerprint(cfg: RunConfig, target: Target | None) -> dict:
-    """What the trained weights depend on: hashes of the features (or, online, of the prepared data and capture
-    settings), the draft vocabulary and the target's weights, and the fields of `train` and `head` that change the
-    weights. An input that is not there (`target` None, a feature store deleted after training) is left out."""
-    data_dir, features_dir = cfg.run_dir / "data", cfg.run_dir / "features"
-    out = {**config_fields(cfg.train, "train", skip=RESUME_SAFE), **config_fields(cfg.head, "head"), "seed": cfg.seed}
+def train_fingerprint(cfg: RunConfig, layout: RunLayout, target: Target | None) -> dict:
+    """What the trained weights depend on: the keys of the store entries trained on (the data and capture settings),
+    hashes of the features, the draft vocabulary and the target's weights, and the fields of `train` and `head`
+    that change the weights. An input file that is not there (`target` None, a feature store deleted after
+    training) is left out."""
+    out = {**config_fields(cfg.train, "train", skip=RESUME_SAFE), **config_fields(cfg.head, "head"), "seed": cfg.seed,
+           "input:data_key": layout.data_key}
     if cfg.capture.mode == "online":
-        out["input:features"] = content_key(json.loads((data_dir / "summary.json").read_text())["fingerprint"],
-                                            config_fields(cfg.capture, "capture"))
-    elif (features_dir / MANIFEST).exists():
-        store = FeatureStore(features_dir)
-        out["input:features"] = content_key({k: store.manifest[k] for k in HEADER_KEYS},
-                                            [s["sha256"] for s in store.shards])
-    if (data_dir / "vocab.safetensors").exists():
-        out["input:draft_vocab"] = sha256_file(data_dir / "vocab.safetensors")
+        out["input:features"] = content_key(layout.data_key, config_fields(cfg.capture, "capture"))
+    else:
+        out["input:features_key"] = layout.features_key
+        if (layout.features_dir / MANIFEST).exists():
+            store = FeatureStore(layout.features_dir)
+            out["input:features"] = content_key({k: store.manifest[k] for k in HEADER_KEYS},
+                                                [s["sha256"] for s in store.shards])
+    if layout.vocab_file.exists():
+        out["input:draft_vocab"] = sha256_file(layout.vocab_file)
     if target is not None:
         out["input:target"] = weights_fingerprint(target.model)
     return out
 
 
-def check_head_is_current(head_dir: Path, cfg: RunConfig, target: Target | None = None) -> None:
+def check_head_is_current(head_dir: Path, cfg: RunConfig, layout: RunLayout, target: Target | None = None) -> None:
     """Raise StaleRun when the head in `head_dir` (best/ or final/) was trained on other inputs or settings than
     this run's: what evaluate and export must check before they use it, since `stages=[evaluate]` alone would
-    otherwise score a head left from before the data changed. Inputs no longer there are not compared."""
-    recorded = json.loads((head_dir / TRAINED_ON).read_text()) if (head_dir / TRAINED_ON).exists() else None
-    if recorded is None:
-        log.warning("%s records no %s (written by an older version): not checked against this run", head_dir,
-                    TRAINED_ON)
-        return
-    current = train_fingerprint(cfg, target)
+    otherwise score a head left from before the data changed. Input files no longer there are not compared."""
+    if not (head_dir / TRAINED_ON).exists():
+        raise StaleRun(f"{head_dir}: no {TRAINED_ON}, so what it was trained on is unknown; run the train stage")
+    recorded = json.loads((head_dir / TRAINED_ON).read_text())
+    current = train_fingerprint(cfg, layout, target)
     kept = {k: v for k, v in recorded.items() if k in current or not k.startswith("input:")}  # inputs still here
     check_same(head_dir, kept, current, cfg.name)

@@ -108,11 +108,10 @@ def write_checksums(directory: str | os.PathLike) -> None:
 
 def verify_checksums(directory: str | os.PathLike) -> None:
     """Raise CorruptFile naming the first file under `directory` that is missing or differs from its recorded
-    sha256. A directory written before checksums were recorded is let through with a warning."""
+    sha256; without its checksums (written last) the directory was never finished."""
     directory = Path(directory)
     if not (directory / CHECKSUMS).exists():
-        log.warning("%s has no %s (written by an older version): its files are not verified", directory, CHECKSUMS)
-        return
+        raise CorruptFile(f"{directory}: no {CHECKSUMS}, so it was never written whole")
     try:
         sums = json.loads((directory / CHECKSUMS).read_text())
     except ValueError as err:  # bad UTF-8 or bad JSON

@@ -13,17 +13,25 @@ from __future__ import annotations
 
 import importlib
 import logging
-import re
+import os
 import time
-
-from omegaconf import OmegaConf
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
 from specdistill.config import RunConfig
-from specdistill.distributed import launch_device, leave_launch, rank_and_world, wait_for_everyone
+from specdistill.distributed import (
+    is_main_rank,
+    launch_device,
+    leave_launch,
+    rank_and_world,
+    wait_for_everyone,
+)
 from specdistill.fingerprint import check_head_is_current
-from specdistill.heads import check_head_fits_target, load_head, trained_head_dir
+from specdistill.heads import check_head_fits_target, load_head
 from specdistill.io import write_json
-from specdistill.redact import redact_urls
+from specdistill.layout import RunLayout
+from specdistill.redact import redacted
+from specdistill.store import entry_lock
 from specdistill.target import (
     Target,
     bf16_is_native,
@@ -42,26 +50,6 @@ STAGE_ENTRIES = {
     "export": "specdistill.export.run",
 }
 RANK0_ONLY = ("export",)
-SECRET_FIELD = re.compile(r"(^|_)(token|api_key|key|secret|password)$", re.IGNORECASE)
-
-
-def scrub_secrets(node):
-    """A copy with every secret-looking field (`hf_token`, `api_key`, ...) blanked and every URL's
-    user:password and query values hidden (`data.generation.server_url` may carry a key)."""
-    if isinstance(node, dict):
-        return {k: ("***" if SECRET_FIELD.search(str(k)) and v else scrub_secrets(v)) for k, v in node.items()}
-    if isinstance(node, list):
-        return [scrub_secrets(v) for v in node]
-    if isinstance(node, str):
-        return redact_urls(node)
-    return node
-
-
-def redacted(cfg: RunConfig) -> dict:
-    """The config as a plain dict, secrets blanked: what is saved in the run dir and sent to W&B."""
-    return scrub_secrets(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
-
-
 class LazyTarget:
     """Loads the target on first use, so stages that do not need it (export) start at once."""
 
@@ -82,21 +70,37 @@ class LazyTarget:
         return self._target
 
 
-def check_kept_head(cfg: RunConfig, target: LazyTarget, stage: str) -> None:
+def check_kept_head(cfg: RunConfig, layout: RunLayout, target: LazyTarget, stage: str) -> None:
     """The head evaluate or export takes from ckpt/ was trained on this run's data and settings and (evaluate,
     which loads the target anyway) fits this target: else the stage stops before it scores or ships a stale head."""
-    head_dir = trained_head_dir(cfg.run_dir)
-    check_head_is_current(head_dir, cfg)
+    head_dir = layout.trained_head_dir()
+    check_head_is_current(head_dir, cfg, layout)
     if stage == "evaluate":
         check_head_fits_target(load_head(head_dir), target.get(), head_dir)
 
 
+@contextmanager
+def building_entry(stage: str, layout: RunLayout) -> Iterator[None]:
+    """Prepare and capture build a store entry: rank 0 holds its lock while every rank works on it, so another job
+    that needs the same entry waits and then reuses it."""
+    entry = {"prepare": layout.data_dir, "capture": layout.features_dir}.get(stage)
+    if entry is None or layout.out_stage == stage:
+        yield
+        return
+    with entry_lock(entry) if is_main_rank() else nullcontext():
+        wait_for_everyone()
+        yield
+        wait_for_everyone()
+
+
 def run_stages(cfg: RunConfig) -> dict[str, dict] | None:
     check_against_target(cfg, resolve_source(cfg.target))  # fail before any work
+    layout = RunLayout.of(cfg)
     rank, world = rank_and_world()
     if rank == 0:
-        cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        write_json(cfg.run_dir / "config.json", redacted(cfg))
+        write_json(layout.config_file, redacted(cfg))
+        write_json(layout.inputs_file, {"data": os.path.relpath(layout.data_dir, cfg.run_root),
+                                        "features": os.path.relpath(layout.features_dir, cfg.run_root)})
     target = LazyTarget(cfg)
     results = {}
     for stage in cfg.stages:
@@ -106,8 +110,9 @@ def run_stages(cfg: RunConfig) -> dict[str, dict] | None:
             log.info("stage %s: rank 0 runs it; rank %d of %d waits", stage, rank, world)
         else:
             if stage in ("evaluate", "export"):
-                check_kept_head(cfg, target, stage)
-            results[stage] = importlib.import_module(STAGE_ENTRIES[stage]).run(cfg, target) or {}
+                check_kept_head(cfg, layout, target, stage)
+            with building_entry(stage, layout):
+                results[stage] = importlib.import_module(STAGE_ENTRIES[stage]).run(cfg, layout, target) or {}
         wait_for_everyone()
         if rank == 0:
             results[stage]["seconds"] = round(time.time() - t0, 1)

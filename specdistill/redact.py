@@ -42,3 +42,25 @@ def redact_text(text: str, secrets: tuple[str | None, ...] = ()) -> str:
     text = redact_urls(text)
     text = AUTH_HEADER.sub(lambda m: f"{m.group(1)}{m.group(2)}{HIDDEN}", text)
     return AUTH_SCHEME.sub(lambda m: f"{m.group(1)} {HIDDEN}", text)
+
+
+SECRET_FIELD = re.compile(r"(^|_)(token|api_key|key|secret|password)$", re.IGNORECASE)
+
+
+def scrub_secrets(node):
+    """A copy with every secret-looking field (`hf_token`, `api_key`, ...) blanked and every URL's
+    user:password and query values hidden (`data.generation.server_url` may carry a key)."""
+    if isinstance(node, dict):
+        return {k: (HIDDEN if SECRET_FIELD.search(str(k)) and v else scrub_secrets(v)) for k, v in node.items()}
+    if isinstance(node, list):
+        return [scrub_secrets(v) for v in node]
+    if isinstance(node, str):
+        return redact_urls(node)
+    return node
+
+
+def redacted(cfg) -> dict:
+    """The config (a RunConfig) as a plain dict, secrets blanked: what is saved in the run dir and sent to W&B."""
+    from omegaconf import OmegaConf
+
+    return scrub_secrets(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))

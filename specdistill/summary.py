@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from specdistill.config import RunConfig
+from specdistill.layout import RunLayout
 
 
 def print_summary(cfg: RunConfig, results: dict[str, dict]) -> None:
-    lines = [f"specdistill run `{cfg.name}` done: {cfg.run_dir}"]
+    lines = [f"specdistill run `{cfg.name}` done: {RunLayout.of(cfg).run_dir}"]
     for stage, res in results.items():
         lines.append(f"  {stage:<9} {res.get('seconds', 0):>7.1f}s")
     if "train" in results:

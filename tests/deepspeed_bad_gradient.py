@@ -8,6 +8,7 @@ from pathlib import Path
 from test_train import compose_cfg
 
 from specdistill.distributed import leave_launch, rank_and_world
+from specdistill.layout import RunLayout
 from specdistill.target import load_target
 from specdistill.train.trainer import Trainer
 
@@ -16,7 +17,7 @@ POISONED_CALL = 2  # the second micro-batch: an accumulation boundary when train
 
 def main(run_dir: Path, overrides: list[str]) -> None:
     cfg = compose_cfg(run_dir, *overrides)
-    trainer = Trainer(cfg, load_target(cfg.target))
+    trainer = Trainer(cfg, RunLayout.of(cfg), load_target(cfg.target))
     rank, world = rank_and_world()
     calls = 0
 

@@ -12,6 +12,7 @@ from test_capture_store import LENGTHS, TINY, make_samples, small_cfg
 
 from specdistill.capture import run as capture_run
 from specdistill.capture.store import FeatureStore
+from specdistill.layout import RunLayout
 from specdistill.pipeline import LazyTarget
 
 REPO = Path(__file__).resolve().parents[1]
@@ -21,7 +22,7 @@ def test_two_process_capture_matches_one_process(tmp_path):
     cfg = small_cfg(tmp_path, name="two")
     make_samples(cfg, LENGTHS)
     overrides = [
-        f"run_root={tmp_path}",
+        f"run_root={cfg.run_root}",
         "name=two",
         "stages=[capture]",
         "target=random",
@@ -59,7 +60,7 @@ def test_two_process_capture_matches_one_process(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = capture_run.features_dir(cfg)
+    out = RunLayout.of(cfg, "capture").features_dir
     store = FeatureStore(out)
     store.verify()
     assert list(out.glob("manifest*")) == [out / "manifest.json"]
@@ -70,7 +71,7 @@ def test_two_process_capture_matches_one_process(tmp_path):
 
     one_cfg = small_cfg(tmp_path, name="one")
     make_samples(one_cfg, LENGTHS)
-    single = FeatureStore(capture_run.run(one_cfg, LazyTarget(one_cfg))["features"])
+    single = FeatureStore(capture_run.run(one_cfg, RunLayout.of(one_cfg, "capture"), LazyTarget(one_cfg))["features"])
     assert single.source_indices == store.source_indices
     for i in range(len(store)):
         a, b = store.sample(i), single.sample(i)

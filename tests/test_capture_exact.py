@@ -14,6 +14,7 @@ from specdistill.capture import run as capture_run
 from specdistill.capture.online import capture_batch
 from specdistill.capture.store import FeatureStore
 from specdistill.config import TargetConfig
+from specdistill.layout import RunLayout
 from specdistill.pipeline import LazyTarget
 from specdistill.target import Target, TargetRunner, load_target
 
@@ -96,7 +97,7 @@ def test_store_sample_equals_a_forward_of_that_sample(tmp_path, batch_tokens, ex
     cfg = small_cfg(tmp_path, dtype="float32", batch_tokens=batch_tokens)
     rows = make_samples(cfg, LENGTHS[:6])
     lazy = LazyTarget(cfg)
-    store = FeatureStore(capture_run.run(cfg, lazy)["features"])
+    store = FeatureStore(capture_run.run(cfg, RunLayout.of(cfg, "capture"), lazy)["features"])
     target = lazy.get()
     H = target.hidden_size
     for i, src in enumerate(store.source_indices):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from pathlib import Path
 
 import datasets
 import pytest
@@ -18,6 +19,7 @@ from specdistill.capture.store import (
     shuffled_order,
 )
 from specdistill.config import CaptureConfig, RandomTargetConfig, RunConfig, TargetConfig
+from specdistill.layout import RunLayout
 from specdistill.pipeline import LazyTarget
 
 TINY = RandomTargetConfig(
@@ -36,14 +38,15 @@ def make_samples(cfg: RunConfig, lengths: list[int], seed: int = 0, vocab: int =
         for n in lengths
     ]
     ds = datasets.Dataset.from_dict({k: [r[k] for r in rows] for k in ("input_ids", "loss_mask")})
-    ds.save_to_disk(str(capture_run.samples_dir(cfg)))
+    ds.save_to_disk(str(RunLayout.of(cfg, "capture").samples_dir))
     return rows
 
 
 def small_cfg(tmp_path, name: str = "t", **capture) -> RunConfig:
+    """A run under a root of its own (`<tmp_path>/<name>`), so runs of different names share no store."""
     capture = {"shard_tokens": 60, "batch_tokens": 64, **capture}
     target = TargetConfig(name="random", random=dataclasses.replace(TINY))
-    return RunConfig(name=name, run_root=str(tmp_path), target=target, capture=CaptureConfig(**capture))
+    return RunConfig(name=name, run_root=str(Path(tmp_path) / name), target=target, capture=CaptureConfig(**capture))
 
 
 LENGTHS = [7, 23, 12, 31, 5, 18, 9, 26, 14, 11, 3, 20]
@@ -59,7 +62,7 @@ def target():
 def test_store_round_trip(tmp_path, target):
     cfg = small_cfg(tmp_path)
     rows = make_samples(cfg, LENGTHS)
-    result = capture_run.run(cfg, target)
+    result = capture_run.run(cfg, RunLayout.of(cfg, "capture"), target)
     store = FeatureStore(result["features"])
     assert len(store.shards) > 2 and result["tokens"] == sum(LENGTHS) and not result["skipped"]
     assert sorted(store.source_indices) == list(range(len(LENGTHS)))
@@ -85,10 +88,10 @@ def test_store_round_trip(tmp_path, target):
 def test_resume_after_kill_mid_shard(tmp_path, target, monkeypatch):
     ref_cfg = small_cfg(tmp_path / "ref")
     make_samples(ref_cfg, LENGTHS)
-    ref_store = FeatureStore(capture_run.run(ref_cfg, target)["features"])
+    ref_store = FeatureStore(capture_run.run(ref_cfg, RunLayout.of(ref_cfg, "capture"), target)["features"])
     cfg = small_cfg(tmp_path / "run")
     make_samples(cfg, LENGTHS)
-    out = capture_run.features_dir(cfg)
+    out = RunLayout.of(cfg, "capture").features_dir
     kill_after = ref_store.shards[0]["samples"] + ref_store.shards[1]["samples"] + 1  # inside shard 2
     real_add, calls = ShardWriter.add, []
 
@@ -100,7 +103,7 @@ def test_resume_after_kill_mid_shard(tmp_path, target, monkeypatch):
 
     monkeypatch.setattr(ShardWriter, "add", add_then_die)
     with pytest.raises(KeyboardInterrupt):
-        capture_run.run(cfg, target)
+        capture_run.run(cfg, RunLayout.of(cfg, "capture"), target)
     monkeypatch.setattr(ShardWriter, "add", real_add)
     assert not (out / "manifest.json").exists()
     kept = {p.name: p.stat().st_mtime_ns for p in out.glob("shard-*.safetensors")}
@@ -114,7 +117,7 @@ def test_resume_after_kill_mid_shard(tmp_path, target, monkeypatch):
     (out / "shard-00001.safetensors").write_bytes(bytes(damaged))
     kept["shard-00001.safetensors"] = (out / "shard-00001.safetensors").stat().st_mtime_ns
 
-    result = capture_run.run(cfg, target)
+    result = capture_run.run(cfg, RunLayout.of(cfg, "capture"), target)
     store = FeatureStore(result["features"])
     store.verify()
     assert (out / "shard-00000.safetensors").stat().st_mtime_ns == kept["shard-00000.safetensors"]  # kept
@@ -126,20 +129,20 @@ def test_resume_after_kill_mid_shard(tmp_path, target, monkeypatch):
 def test_skip_when_same_recapture_when_changed(tmp_path, target):
     cfg = small_cfg(tmp_path)
     make_samples(cfg, LENGTHS)
-    assert not capture_run.run(cfg, target)["skipped"]
-    assert capture_run.run(cfg, target)["skipped"]
+    assert not capture_run.run(cfg, RunLayout.of(cfg, "capture"), target)["skipped"]
+    assert capture_run.run(cfg, RunLayout.of(cfg, "capture"), target)["skipped"]
     cfg.capture.dtype = "float32"
-    assert not capture_run.run(cfg, target)["skipped"]
-    assert FeatureStore(capture_run.features_dir(cfg)).manifest["dtype"] == "float32"
+    assert not capture_run.run(cfg, RunLayout.of(cfg, "capture"), target)["skipped"]
+    assert FeatureStore(RunLayout.of(cfg, "capture").features_dir).manifest["dtype"] == "float32"
     make_samples(cfg, LENGTHS, seed=1)  # same lengths, other tokens: must not be re-used
-    assert not capture_run.run(cfg, target)["skipped"]
+    assert not capture_run.run(cfg, RunLayout.of(cfg, "capture"), target)["skipped"]
     retrained = small_cfg(tmp_path)  # same name and shapes, other weights
     retrained.target.random.seed = 1
-    assert not capture_run.run(retrained, LazyTarget(retrained))["skipped"]
+    assert not capture_run.run(retrained, RunLayout.of(retrained, "capture"), LazyTarget(retrained))["skipped"]
     make_samples(cfg, LENGTHS[:4], seed=1)  # fewer shards: the old ones past the end are removed
-    result = capture_run.run(cfg, target)
+    result = capture_run.run(cfg, RunLayout.of(cfg, "capture"), target)
     assert result["samples"] == 4
-    assert len(list(capture_run.features_dir(cfg).glob("shard-*"))) == result["shards"]
+    assert len(list(RunLayout.of(cfg, "capture").features_dir.glob("shard-*"))) == result["shards"]
 
 
 def test_target_dtype_captures_in_bf16_and_is_part_of_the_store_key(tmp_path, target):
@@ -147,26 +150,26 @@ def test_target_dtype_captures_in_bf16_and_is_part_of_the_store_key(tmp_path, ta
     evaluation's lossless check); its store is not mistaken for the fp32 one, and its features are close."""
     cfg = small_cfg(tmp_path)
     make_samples(cfg, LENGTHS)
-    capture_run.run(cfg, target)
-    fp32 = FeatureStore(capture_run.features_dir(cfg))
+    capture_run.run(cfg, RunLayout.of(cfg, "capture"), target)
+    fp32 = FeatureStore(RunLayout.of(cfg, "capture").features_dir)
     fp32_aux = [fp32.sample(i)["aux"].float() for i in range(len(fp32))]
     cfg.capture.target_dtype = "bfloat16"
-    assert not capture_run.run(cfg, target)["skipped"]
-    bf16 = FeatureStore(capture_run.features_dir(cfg))
+    assert not capture_run.run(cfg, RunLayout.of(cfg, "capture"), target)["skipped"]
+    bf16 = FeatureStore(RunLayout.of(cfg, "capture").features_dir)
     assert bf16.manifest["target_dtype"] == "bfloat16"
     assert next(target.get().model.parameters()).dtype == torch.float32
     for i, ref in enumerate(fp32_aux):
         got = bf16.sample(i)["aux"].float()
         assert not torch.equal(got, ref)  # computed in bf16, not only stored in it
         torch.testing.assert_close(got, ref, rtol=0.1, atol=0.1)
-    assert capture_run.run(cfg, target)["skipped"]
+    assert capture_run.run(cfg, RunLayout.of(cfg, "capture"), target)["skipped"]
 
 
 def test_corrupted_and_truncated_shards_are_named(tmp_path, target):
     cfg = small_cfg(tmp_path)
     make_samples(cfg, LENGTHS)
-    out = capture_run.features_dir(cfg)
-    capture_run.run(cfg, target)
+    out = RunLayout.of(cfg, "capture").features_dir
+    capture_run.run(cfg, RunLayout.of(cfg, "capture"), target)
     shard = out / "shard-00001.safetensors"
     data = bytearray(shard.read_bytes())
     data[-10] ^= 0xFF
@@ -185,7 +188,7 @@ def test_corrupted_and_truncated_shards_are_named(tmp_path, target):
 def test_incompatible_store_is_refused(tmp_path, target):
     cfg = small_cfg(tmp_path, teacher="topk", teacher_topk=4)
     make_samples(cfg, LENGTHS)
-    store = FeatureStore(capture_run.run(cfg, target)["features"])
+    store = FeatureStore(capture_run.run(cfg, RunLayout.of(cfg, "capture"), target)["features"])
     ok = dict(target_name="random", layer_ids=[1, 3, 4], hidden_size=32, teacher="topk")
     store.check_compatible(**ok, teacher_topk=4)
     for field, value in [
@@ -203,7 +206,7 @@ def test_incompatible_store_is_refused(tmp_path, target):
 def test_topk_teacher_is_smaller_and_matches_log_softmax(tmp_path, target):
     cfg = small_cfg(tmp_path, teacher="topk", teacher_topk=4, dtype="float32")
     rows = make_samples(cfg, LENGTHS[:3])
-    store = FeatureStore(capture_run.run(cfg, target)["features"])
+    store = FeatureStore(capture_run.run(cfg, RunLayout.of(cfg, "capture"), target)["features"])
     model = target.get().model
     for i, src in enumerate(store.source_indices):
         s = store.sample(i)
@@ -217,7 +220,7 @@ def test_topk_teacher_is_smaller_and_matches_log_softmax(tmp_path, target):
     make_samples(last_cfg, LENGTHS[:3])
     assert (
         store.bytes_per_token()
-        < FeatureStore(capture_run.run(last_cfg, target)["features"]).bytes_per_token()
+        < FeatureStore(capture_run.run(last_cfg, RunLayout.of(last_cfg, "capture"), target)["features"]).bytes_per_token()
     )
 
 
@@ -241,25 +244,25 @@ def test_topk_teacher_is_smaller_and_matches_log_softmax(tmp_path, target):
 )
 def test_bad_samples_are_named(tmp_path, target, rows, match):
     cfg = small_cfg(tmp_path)
-    datasets.Dataset.from_dict(rows).save_to_disk(str(capture_run.samples_dir(cfg)))
+    datasets.Dataset.from_dict(rows).save_to_disk(str(RunLayout.of(cfg, "capture").samples_dir))
     if match is None:
-        assert capture_run.run(cfg, target)["samples"] == 3
+        assert capture_run.run(cfg, RunLayout.of(cfg, "capture"), target)["samples"] == 3
         return
     with pytest.raises(capture_run.BadSamples, match=match):
-        capture_run.run(cfg, target)
-    assert not capture_run.features_dir(cfg).exists()
+        capture_run.run(cfg, RunLayout.of(cfg, "capture"), target)
+    assert not RunLayout.of(cfg, "capture").features_dir.exists()
 
 
 def test_online_mode_writes_nothing(tmp_path, target):
     cfg = small_cfg(tmp_path, mode="online")
-    assert capture_run.run(cfg, target) == {"mode": "online", "skipped": True}
-    assert not capture_run.features_dir(cfg).exists()
+    assert capture_run.run(cfg, RunLayout.of(cfg, "capture"), target) == {"mode": "online", "skipped": True}
+    assert not RunLayout.of(cfg, "capture").features_dir.exists()
 
 
 def test_training_orders(tmp_path, target):
     cfg = small_cfg(tmp_path)
     make_samples(cfg, LENGTHS)
-    store = FeatureStore(capture_run.run(cfg, target)["features"])
+    store = FeatureStore(capture_run.run(cfg, RunLayout.of(cfg, "capture"), target)["features"])
     order = shuffled_order(store, seed=0)
     assert sorted(order) == list(range(len(store)))
     assert order == shuffled_order(store, seed=0) and order != shuffled_order(store, seed=0, epoch=1)

@@ -10,7 +10,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from specdistill.config import ConfigError, RunConfig, register, to_run_config
-from specdistill.pipeline import redacted, run_stages, scrub_secrets
+from specdistill.pipeline import run_stages
+from specdistill.redact import redacted, scrub_secrets
 from specdistill.target import (
     TargetNotFound,
     check_against_target,
@@ -151,7 +152,7 @@ def test_missing_model_fails_at_once_with_one_line(tmp_path):
     assert "Traceback" not in proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() + proc.stdout.splitlines() if "meta-llama/Llama-3.1-8B-Instruct" in ln]
     assert len(lines) == 1 and "not on this machine" in lines[0]
-    assert not (tmp_path / "llama8b" / "data").exists()
+    assert not (tmp_path / "store").exists() and not (tmp_path / "llama8b").exists()
 
 
 def test_target_not_found_is_raised_for_an_unknown_dir():

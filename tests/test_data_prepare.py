@@ -19,6 +19,7 @@ from specdistill.data.generate import LocalGenerator
 from specdistill.data.prepare import SourceConversations, generation_model, load_prepared, run
 from specdistill.data.regenerate import row_key, sampling_params
 from specdistill.data.template import ChatFormat
+from specdistill.layout import RunLayout
 from specdistill.pipeline import LazyTarget
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +47,7 @@ def prepared(tmp_path_factory):
     out = tmp_path_factory.mktemp("data")
     cfg = smoke_cfg(out, *PREPARED)
     target = LazyTarget(cfg)
-    summary = run(cfg, target)
+    summary = run(cfg, RunLayout.of(cfg, "prepare"), target)
     return cfg, out, summary, target.get()
 
 
@@ -111,7 +112,7 @@ def test_vocab_counts_match_the_samples(prepared):
 
 def test_complete_data_is_skipped_without_loading_the_target(prepared):
     cfg, out, summary, _ = prepared
-    assert run(cfg, NoTarget()) == summary
+    assert run(cfg, RunLayout.of(cfg, "prepare"), NoTarget()) == summary
 
 
 def test_resume_from_the_cache_generates_nothing_again(prepared, tmp_path):
@@ -132,7 +133,7 @@ def test_resume_from_the_cache_generates_nothing_again(prepared, tmp_path):
 
     cfg2 = smoke_cfg(copy, *PREPARED, "target.dtype=float32", "data.generation.dtype=float32")
     try:
-        run(cfg2, NoGeneration())
+        run(cfg2, RunLayout.of(cfg2, "prepare"), NoGeneration())
     finally:
         NoGeneration.restore()
     assert load_prepared(copy).samples["messages"] == load_prepared(out).samples["messages"]
@@ -155,7 +156,7 @@ def test_more_conversations_generate_only_the_new_ones(tmp_path):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(LocalGenerator, "generate", lambda self, prompts, *args, **kwargs:
                           calls.append((kwargs["desc"], len(prompts))) or original(self, prompts, *args, **kwargs))
-            run(cfg, target)
+            run(cfg, RunLayout.of(cfg, "prepare"), target)
         return [json.loads(p)["row"] for p in load_prepared(tmp_path / name).samples["provenance"]], calls
 
     small, _ = prepare("small", 10)
@@ -178,7 +179,7 @@ def test_back_translations_come_on_top_and_reuse_every_cached_batch(prepared, tm
     shutil.copytree(out / "cache", copy / "cache")
     cfg2 = smoke_cfg(copy, *PREPARED)
     cfg2.data.synth.back_translations, cfg2.data.synth.back_translation_source = 5, source
-    run(cfg2, LazyTarget(cfg2))
+    run(cfg2, RunLayout.of(cfg2, "prepare"), LazyTarget(cfg2))
     assert len(ResultCache(copy / "cache")) == len(ResultCache(out / "cache")) + 1  # one new batch
     rows2 = [(json.loads(r["messages"]), json.loads(r["provenance"])) for r in load_prepared(copy).samples]
     assert rows2[: len(rows)] == rows
@@ -256,7 +257,7 @@ def test_two_processes_regenerate_disjoint_shares_and_keep_every_row_once(tmp_pa
     assert proc.returncode == 0, proc.stderr[-4000:]
     cfg = smoke_cfg(out, "data.generation.max_new_tokens=4")
     params = sampling_params(cfg.data.generation, "local")
-    keys = [[json.loads(line)["key"] for line in (out / "cache" / f"conversations.rank{r}.jsonl").open()]
+    keys = [[json.loads(line)["key"] for line in next((out / "cache").glob(f"conversations.*rank{r}.jsonl")).open()]
             for r in (0, 1)]
     assert keys[0] and keys[1] and not set(keys[0]) & set(keys[1])  # each rank wrote its own share
     wanted = [row_key([{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": "old"}],
@@ -279,7 +280,7 @@ def test_real_embedded_target_synthesises_and_masks(tmp_path):
             "data.synth.question_max_tokens=24", "data.synth.answer_max_tokens=16",
             "data.documents.min_chars=20"]))
     target = LazyTarget(cfg)
-    summary = run(cfg, target)
+    summary = run(cfg, RunLayout.of(cfg, "prepare"), target)
     tok = target.get().tokenizer
     data = load_prepared(tmp_path)
     assert summary["samples"] == 4 and data.vocab.size == cfg.data.draft_vocab_size

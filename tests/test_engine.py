@@ -28,7 +28,8 @@ from specdistill.evaluate.engine import (
 )
 from specdistill.evaluate.report import engine_markdown
 from specdistill.export import common, export_eagle3
-from specdistill.heads import load_head, trained_head_dir
+from specdistill.heads import load_head
+from specdistill.layout import trained_head_dir
 from specdistill.target import load_target, served_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -203,7 +204,7 @@ def test_a_faulty_export_makes_the_engine_disagree_or_fail(embedded_run, tmp_pat
     for cached in (run_dir / "eval" / "engine").glob("runs.*"):  # the plain engine run is reused from there
         shutil.copy(cached, out / "engine" / cached.name)
     target_cfg = TargetConfig()
-    head = engine.rounded(load_head(trained_head_dir(run_dir)), "bfloat16")
+    head = engine.rounded(load_head(trained_head_dir(run_dir / "ckpt")), "bfloat16")
     report = engine_evaluation(EngineConfig(name="vllm"), EvalConfig(limit=4, max_new_tokens=48),
                                load_target(target_cfg), head, {fault: export}, served_dir(target_cfg), out)
     m = report["layouts"][fault]
@@ -219,7 +220,7 @@ def test_a_faulty_export_makes_the_engine_disagree_or_fail(embedded_run, tmp_pat
 def test_bf16_engine_tau_stays_within_the_measured_tolerance(embedded_run, tmp_path):
     run_dir, _ = embedded_run
     target_cfg = TargetConfig()
-    head = engine.rounded(load_head(trained_head_dir(run_dir)), "bfloat16")
+    head = engine.rounded(load_head(trained_head_dir(run_dir / "ckpt")), "bfloat16")
     report = engine_evaluation(EngineConfig(name="vllm", dtype="bfloat16"), EvalConfig(limit=4, max_new_tokens=48),
                                load_target(target_cfg), head, {"vllm": run_dir / "eval" / "engine" / "vllm"},
                                served_dir(target_cfg), tmp_path)
@@ -237,7 +238,7 @@ def test_eval_engine_script_on_a_smoke_head(tmp_path, engine_ready):
     proc = subprocess.run([sys.executable, "train.py", "+exp=smoke", f"run_root={root}", "stages=[prepare,capture,train]"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    export = export_eagle3(load_head(trained_head_dir(root / "smoke")), "vllm", tmp_path / "export", "float32")
+    export = export_eagle3(load_head(trained_head_dir(root / "smoke" / "ckpt")), "vllm", tmp_path / "export", "float32")
     out = tmp_path / "engine_eval"
     proc = subprocess.run([sys.executable, "eval/engine.py", f"head={export}", "target=random", "limit=2",
                            "max_new_tokens=16", f"out={out}"], cwd=ROOT, capture_output=True, text=True,
@@ -306,7 +307,7 @@ def test_a_faulty_mtp_export_makes_the_engine_disagree_or_fail(glm_mtp_run, tmp_
     for cached in (glm_mtp_run / "eval" / "engine").glob("runs.*"):  # the plain engine run is reused from there
         shutil.copy(cached, out / "engine" / cached.name)
     target_cfg = TargetConfig(name="random", random=RandomTargetConfig(family="glm4_moe", max_position_embeddings=8192))
-    head = engine.rounded(load_head(trained_head_dir(glm_mtp_run)), "bfloat16")
+    head = engine.rounded(load_head(trained_head_dir(glm_mtp_run / "ckpt")), "bfloat16")
     served_model = mtp_fault(glm_mtp_run / "eval" / "engine" / "native_mtp", tmp_path / fault, fault)
     report = engine_evaluation(EngineConfig(name="vllm"), EvalConfig(limit=8, max_new_tokens=48),
                                load_target(target_cfg), head, {fault: served_model}, served_dir(target_cfg), out)

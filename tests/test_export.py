@@ -21,6 +21,7 @@ from specdistill.export.reader import read_head
 from specdistill.heads import save_head
 from specdistill.heads.eagle3 import Eagle3Config, Eagle3Head
 from specdistill.heads.layers import HeadArch
+from specdistill.layout import RunLayout
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB, DRAFT_VOCAB, H = 384, 64, 64
@@ -287,13 +288,13 @@ def test_reader_refuses_unknown_keys_and_inconsistent_layer_ids(head, tmp_path):
 def test_stage_prefers_best_and_writes_every_format(head, tmp_path):
     cfg = RunConfig(name="exp", run_root=str(tmp_path))
     cfg.export.formats = ["sglang", "speculators"]
-    save_head(make_head(seed=5), cfg.run_dir / "ckpt" / "final")
-    save_head(head, cfg.run_dir / "ckpt" / "best")
-    result = run.run(cfg, target=None)
-    assert result == {"formats": {f: str(cfg.run_dir / "export" / f) for f in ("sglang", "speculators")}}
-    back = read_head(cfg.run_dir / "export" / "speculators")
+    save_head(make_head(seed=5), RunLayout.of(cfg).run_dir / "ckpt" / "final")
+    save_head(head, RunLayout.of(cfg).run_dir / "ckpt" / "best")
+    result = run.run(cfg, RunLayout.of(cfg), target=None)
+    assert result == {"formats": {f: str(RunLayout.of(cfg).run_dir / "export" / f) for f in ("sglang", "speculators")}}
+    back = read_head(RunLayout.of(cfg).run_dir / "export" / "speculators")
     assert torch.equal(back.fc.weight, head.fc.weight.to(torch.bfloat16).float())
-    spec = exported(cfg.run_dir / "export" / "speculators")[1]["speculators_config"]
+    spec = exported(RunLayout.of(cfg).run_dir / "export" / "speculators")[1]["speculators_config"]
     assert spec["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert spec["proposal_methods"][0]["speculative_tokens"] == 3  # no evaluation yet: the default
 
@@ -301,26 +302,31 @@ def test_stage_prefers_best_and_writes_every_format(head, tmp_path):
 def test_stage_takes_the_speculative_tokens_the_evaluation_advises(head, tmp_path):
     cfg = RunConfig(name="exp", run_root=str(tmp_path))
     cfg.export.formats = ["speculators"]
-    save_head(head, cfg.run_dir / "ckpt" / "best")
-    (cfg.run_dir / "eval").mkdir(parents=True)
-    advice = {"serving_advice": {"per_batch": [{"batch_size": 1, "vllm_steps": 2}, {"batch_size": 8, "vllm_steps": 1}]}}
-    (cfg.run_dir / "eval" / "report.json").write_text(json.dumps(advice))
-    run.run(cfg, target=None)
-    spec = exported(cfg.run_dir / "export" / "speculators")[1]["speculators_config"]
+    save_head(head, RunLayout.of(cfg).run_dir / "ckpt" / "best")
+    (RunLayout.of(cfg).run_dir / "eval").mkdir(parents=True)
+    advice = {"split": "dev",
+              "serving_advice": {"per_batch": [{"batch_size": 1, "vllm_steps": 2}, {"batch_size": 8, "vllm_steps": 1}]}}
+    (RunLayout.of(cfg).run_dir / "eval" / "report.json").write_text(json.dumps(advice))
+    run.run(cfg, RunLayout.of(cfg), target=None)
+    spec = exported(RunLayout.of(cfg).run_dir / "export" / "speculators")[1]["speculators_config"]
     assert spec["proposal_methods"][0]["speculative_tokens"] == 2
+    (RunLayout.of(cfg).run_dir / "eval" / "report.json").write_text(json.dumps({**advice, "split": "test"}))
+    run.run(cfg, RunLayout.of(cfg), target=None)  # a test-split report sets no default
+    spec = exported(RunLayout.of(cfg).run_dir / "export" / "speculators")[1]["speculators_config"]
+    assert spec["proposal_methods"][0]["speculative_tokens"] == 3
     cfg.export.speculative_tokens = 4  # set: it wins
-    run.run(cfg, target=None)
-    assert exported(cfg.run_dir / "export" / "speculators")[1]["speculators_config"]["proposal_methods"][0][
+    run.run(cfg, RunLayout.of(cfg), target=None)
+    assert exported(RunLayout.of(cfg).run_dir / "export" / "speculators")[1]["speculators_config"]["proposal_methods"][0][
         "speculative_tokens"] == 4
 
 
 def test_stage_refuses_mtp_formats_for_an_eagle3_head_before_writing(head, tmp_path):
     cfg = RunConfig(name="exp", run_root=str(tmp_path))
     cfg.export.formats = ["sglang", "native_mtp"]
-    save_head(head, cfg.run_dir / "ckpt" / "final")
+    save_head(head, RunLayout.of(cfg).run_dir / "ckpt" / "final")
     with pytest.raises(common.ExportError, match=r"\['native_mtp'\] do not fit the eagle3 head"):
-        run.run(cfg, target=None)
-    assert not (cfg.run_dir / "export").exists()
+        run.run(cfg, RunLayout.of(cfg), target=None)
+    assert not (RunLayout.of(cfg).run_dir / "export").exists()
 
 
 def test_cli(head, tmp_path):

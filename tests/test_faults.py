@@ -27,9 +27,9 @@ from specdistill.heads import (
     check_head_fits_target,
     load_head,
     save_head,
-    trained_head_dir,
 )
-from specdistill.io import CorruptFile, JsonlError
+from specdistill.io import CorruptFile, JsonlError, write_checksums
+from specdistill.layout import RunLayout, trained_head_dir
 from specdistill.target import load_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +64,8 @@ def test_a_key_in_the_server_url_is_in_no_file_and_no_log(trained):
 
 
 def copy_run(trained: tuple[Path, str], tmp_path: Path) -> Path:
-    shutil.copytree(trained[0], tmp_path / "smoke", ignore=shutil.ignore_patterns("wandb"))
+    """The trained run and the store it read, under `tmp_path`."""
+    shutil.copytree(trained[0].parent, tmp_path, ignore=shutil.ignore_patterns("wandb"), dirs_exist_ok=True)
     return tmp_path / "smoke"
 
 
@@ -95,8 +96,8 @@ def test_changed_data_never_resumes_the_old_runs_checkpoint(trained, tmp_path):
     assert "name=<another name than smoke>" in proc.stdout and "restart=true" in proc.stdout
     cfg = compose_cfg(f"run_root={tmp_path}", "data.synth.num_conversations=12")
     for head_dir in ("final", "best"):  # evaluate and export alone must not take the old heads either
-        with pytest.raises(StaleRun, match=r"input:draft_vocab: .*input:features: "):
-            check_head_is_current(run_dir / "ckpt" / head_dir, cfg)
+        with pytest.raises(StaleRun, match=r"input:data_key: .*input:draft_vocab: .*input:features: "):
+            check_head_is_current(run_dir / "ckpt" / head_dir, cfg, RunLayout.of(cfg))
     proc = train_py(tmp_path, "stages=[train]", "train.lr=0.002")  # a setting alone is named with both values
     assert proc.returncode == 2 and "train.lr: 0.001 -> 0.002" in proc.stdout
     proc = train_py(tmp_path, "stages=[train]", "data.synth.num_conversations=12", "restart=true")  # data made above
@@ -107,17 +108,19 @@ def test_changed_data_never_resumes_the_old_runs_checkpoint(trained, tmp_path):
 def test_a_kept_head_is_checked_against_what_is_still_there(trained, tmp_path):
     run_dir = copy_run(trained, tmp_path)
     final = run_dir / "ckpt" / "final"
-    check_head_is_current(final, compose_cfg(f"run_root={tmp_path}"))
-    shutil.rmtree(run_dir / "features")  # deleted after training to free the disk: evaluation still runs
-    check_head_is_current(final, compose_cfg(f"run_root={tmp_path}"))
+    cfg = compose_cfg(f"run_root={tmp_path}")
+    check_head_is_current(final, cfg, RunLayout.of(cfg))
+    shutil.rmtree(RunLayout.of(cfg).features_dir)  # deleted after training to free the disk: evaluation still runs
+    check_head_is_current(final, cfg, RunLayout.of(cfg))
+    other = compose_cfg(f"run_root={tmp_path}", "train.lr=0.002")
     with pytest.raises(StaleRun, match=r"final was made from other inputs .*\(train.lr: 0.001 -> 0.002\)"):
-        check_head_is_current(final, compose_cfg(f"run_root={tmp_path}", "train.lr=0.002"))
+        check_head_is_current(final, other, RunLayout.of(other))
 
 
 def test_a_flipped_feature_byte_is_refused_by_training_and_recaptured_by_capture(trained, tmp_path):
     run_dir = copy_run(trained, tmp_path)
     shutil.rmtree(run_dir / "ckpt")
-    shard = run_dir / "features" / "shard-00000.safetensors"
+    shard = RunLayout.of(compose_cfg(f"run_root={tmp_path}")).features_dir / "shard-00000.safetensors"
     intact = shard.read_bytes()
     flip_byte(shard)
     proc = train_py(tmp_path, "stages=[train]")
@@ -141,11 +144,9 @@ def test_a_truncated_checkpoint_falls_back_to_the_one_before(trained, tmp_path):
     assert f"{weights}: sha256" in proc.stdout and f"resumed from {before}" in proc.stdout
     got = load_file(str(run_dir / "ckpt" / "final" / "head.safetensors"))
     assert all(got[k].equal(want[k]) for k in want)  # retrained from the one before: the same head, bit for bit
-    (newest / "checksums.json").unlink()  # as written by an older version: the load names the checkpoint
-    weights.write_bytes(weights.read_bytes()[:100])
+    (newest / "checksums.json").unlink()  # never finished: passed over for the one before, named
     proc = train_py(tmp_path, "stages=[train]")
-    assert proc.returncode == 2 and "Traceback" not in proc.stdout
-    assert f"{newest}: cannot be loaded" in proc.stdout
+    assert proc.returncode == 0 and f"{newest}: no checksums.json" in proc.stdout and f"resumed from {before}" in proc.stdout
     for ckpt in checkpoints(run_dir):
         flip_byte(ckpt / "trainer_state.json", 5)
     proc = train_py(tmp_path, "stages=[train]")
@@ -170,7 +171,7 @@ def test_a_corrupted_head_is_passed_over_then_refused_by_name(trained, tmp_path)
     run_dir = copy_run(trained, tmp_path)
     best, final = run_dir / "ckpt" / "best", run_dir / "ckpt" / "final"
     flip_byte(best / "head.safetensors")
-    assert trained_head_dir(run_dir) == final  # evaluate and export fall back to final/, with a warning
+    assert trained_head_dir(run_dir / "ckpt") == final  # evaluate and export fall back to final/, with a warning
     with pytest.raises(CorruptFile, match="best/head.safetensors: sha256"):
         load_head(best)
     flip_byte(final / "head.safetensors")
@@ -178,11 +179,15 @@ def test_a_corrupted_head_is_passed_over_then_refused_by_name(trained, tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stdout
     assert "no intact head checkpoint" in proc.stdout
     assert "best/head.safetensors: sha256" in proc.stdout and "final/head.safetensors: sha256" in proc.stdout
-    (final / "checksums.json").unlink()  # as written by an older version: the load itself names the file
+    (final / "checksums.json").unlink()  # never finished
+    with pytest.raises(CorruptFile, match="final: no checksums.json"):
+        load_head(final)
     (final / "head.safetensors").write_bytes((final / "head.safetensors").read_bytes()[:64])
+    write_checksums(final)  # broken before its checksums were written: the load itself names the file
     with pytest.raises(CorruptFile, match="final/head.safetensors: unreadable"):
         load_head(final)
     flip_byte(final / "head_config.json", 2)
+    write_checksums(final)
     with pytest.raises(CorruptFile, match="final/head_config.json: not a head config"):
         load_head(final)
 

@@ -17,7 +17,8 @@ import torch
 from specdistill.config import EvalConfig, HeadConfig, TargetConfig
 from specdistill.data.vocab import DraftVocab
 from specdistill.evaluate.engine import chain_counters, our_chain, tau_of
-from specdistill.heads import build_head, load_head, trained_head_dir
+from specdistill.heads import build_head, load_head
+from specdistill.layout import trained_head_dir
 from specdistill.target import computing_in, load_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,10 +49,10 @@ def test_a_brief_training_beats_a_measured_floor_and_the_untrained_head(tmp_path
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = tmp_path / "learn"
     target = computing_in(load_target(TargetConfig()), "bfloat16")
-    vocab = DraftVocab.load(run_dir / "data" / "vocab.safetensors")
+    vocab = DraftVocab.load(next((tmp_path / "store" / "data").glob("*/vocab.safetensors")))
     torch.manual_seed(0)
     untrained = build_head(HeadConfig(), target, vocab.d2t_N, vocab.t2d_V)
-    trained_tau, untrained_tau = chain_tau(target, load_head(trained_head_dir(run_dir))), chain_tau(target, untrained)
+    trained_tau, untrained_tau = chain_tau(target, load_head(trained_head_dir(run_dir / "ckpt"))), chain_tau(target, untrained)
     print(f"held-out chain-of-{CHAIN} tau: trained {trained_tau:.3f}, untrained {untrained_tau:.3f}")
     assert trained_tau >= TRAINED_TAU_FLOOR, (trained_tau, untrained_tau)
     assert trained_tau > untrained_tau + 0.05, (trained_tau, untrained_tau)

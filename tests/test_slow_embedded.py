@@ -25,7 +25,7 @@ def test_every_stage_on_the_embedded_target(tmp_path):
                           timeout=1800, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     run_dir = tmp_path / "slow"
-    manifest = json.loads((run_dir / "features" / "manifest.json").read_text())
+    manifest = json.loads(next((run_dir.parent / "store" / "features").glob("*/manifest.json")).read_text())
     assert manifest["layer_ids"] == [1, 14, 26] and manifest["hidden_size"] == 576
     report = json.loads((run_dir / "eval" / "report.json").read_text())
     assert report["num_prompts"] == 2 and report["lossless_mismatches"] == 0

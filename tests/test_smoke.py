@@ -26,8 +26,11 @@ def smoke_run(tmp_path_factory):
 
 def test_run_directory_and_report_contract(smoke_run):
     run_dir, proc, seconds = smoke_run
-    for sub in ("data", "features", "ckpt", "eval", "export"):
+    for sub in ("ckpt", "eval", "export"):
         assert (run_dir / sub).is_dir(), sub
+    inputs = json.loads((run_dir / "inputs.json").read_text())  # the store entries the run read
+    assert (run_dir.parent / inputs["data"] / "summary.json").exists()
+    assert (run_dir.parent / inputs["features"] / "manifest.json").exists()
     report = json.loads((run_dir / "eval" / "report.json").read_text())
     assert REPORT_KEYS <= report.keys()
     assert report["lossless_mismatches"] == 0 and len(report["accept_per_depth"]) == report["tree"]["depth"]

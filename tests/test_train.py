@@ -21,16 +21,12 @@ from specdistill.data.vocab import DraftVocab, build_draft_vocab
 from specdistill.evaluate.bench import load_prompts
 from specdistill.heads import build_head, load_head
 from specdistill.heads.copy_init import copy_query_heads, fast_dims
+from specdistill.layout import RunLayout
 from specdistill.target import load_target
+from specdistill.train.accelerator import deepspeed_config, make_accelerator
+from specdistill.train.curves import moving_average
 from specdistill.train.data import OnlineSource, StoreSource
-from specdistill.train.trainer import (
-    Trainer,
-    copy_tokens,
-    deepspeed_config,
-    load_tau_evaluator,
-    make_accelerator,
-    moving_average,
-)
+from specdistill.train.trainer import Trainer, copy_tokens, load_tau_evaluator
 from specdistill.train.ttt import TTTBatch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,10 +45,9 @@ def prepared(tmp_path_factory) -> Path:
 
 
 def run_dir_from(prepared: Path, root: Path, name: str) -> Path:
-    run_dir = root / name
-    shutil.copytree(prepared / "data", run_dir / "data")
-    shutil.copytree(prepared / "features", run_dir / "features")
-    return run_dir
+    """A new run under `root` whose store holds the smoke run's prepared data and features."""
+    shutil.copytree(prepared.parent / "store", root / "store", dirs_exist_ok=True)
+    return root / name
 
 
 def compose_cfg(run_dir: Path, *overrides: str):
@@ -123,7 +118,7 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(prepared, tmp_path):
     run_dir = run_dir_from(prepared, tmp_path, "blowup")
     cfg = compose_cfg(run_dir, "train.lr=1e30", "train.warmup_ratio=0", "train.max_bad_steps=3",
                       "train.max_steps=40", "train.grad_clip=1e30")
-    trainer = Trainer(cfg, load_target(cfg.target))
+    trainer = Trainer(cfg, RunLayout.of(cfg), load_target(cfg.target))
     with pytest.raises(RuntimeError, match=r"3 non-finite steps in a row \(train.max_bad_steps=3\)"):
         trainer.fit()
     assert trainer.state.skipped == 3 and trainer.state.bad_in_row == 3
@@ -136,11 +131,11 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(prepared, tmp_path):
 
 def test_online_features_match_the_store_and_train(prepared, tmp_path):
     run_dir = run_dir_from(prepared, tmp_path, "online")
-    shutil.rmtree(run_dir / "features")
     cfg = compose_cfg(run_dir, "capture=online", "train.max_steps=3", "head.copy_slow_pairs_only=true")
+    layout = RunLayout.of(cfg)
     target = load_target(cfg.target)
-    stored = StoreSource(FeatureStore(prepared / "features"))
-    online = OnlineSource(run_dir / "data" / "samples", target, "last", 32, "cpu")
+    stored = StoreSource(FeatureStore(RunLayout.of(compose_cfg(run_dir)).features_dir))
+    online = OnlineSource(layout.samples_dir, target, "last", 32, "cpu")
     ids = [0, 5, 7]  # store order differs from the prepared rows': map through the store's source indices
     rows = [stored.store.source_indices[i] for i in ids]
     for a, b in zip(online.samples(rows), stored.samples(ids)):
@@ -148,17 +143,17 @@ def test_online_features_match_the_store_and_train(prepared, tmp_path):
         # the store holds bf16 copies of the same tensors
         torch.testing.assert_close(a["aux"].to(torch.bfloat16).float(), b["aux"].float(), atol=1e-2, rtol=1e-2)
         torch.testing.assert_close(a["last"].to(torch.bfloat16).float(), b["last"].float(), atol=1e-2, rtol=1e-2)
-    result = Trainer(cfg, target).fit()
+    result = Trainer(cfg, RunLayout.of(cfg), target).fit()
     assert result["steps"] == 3 and (run_dir / "ckpt" / "final" / "head.safetensors").exists()
     assert_copy_queries_kept_off_fast_pairs(load_head(run_dir / "ckpt" / "final"))
-    assert not (run_dir / "features").exists()
+    assert not layout.features_dir.exists()  # online: nothing was stored
 
 
 def test_a_frozen_lm_head_stays_the_targets_rows_while_the_rest_trains(prepared, tmp_path):
     run_dir = run_dir_from(prepared, tmp_path, "frozen")
     cfg = compose_cfg(run_dir, "train.max_steps=3", "head.freeze_lm_head=true")
     target = load_target(cfg.target)
-    trainer = Trainer(cfg, target)
+    trainer = Trainer(cfg, RunLayout.of(cfg), target)
     head = trainer.head
     draft_ids = head.draft_to_target(torch.arange(head.config.draft_vocab_size))
     target_rows = target.model.get_output_embeddings().weight.detach()[draft_ids].to(head.lm_head.weight.dtype)
@@ -182,7 +177,7 @@ def test_in_loop_tau_keeps_the_best_head_and_packing_trains(prepared, tmp_path):
         calls.append((head.training, head.config.draft_vocab_size))
         return {"tau": next(taus), "tau_copy": 1.0}
 
-    trainer = Trainer(cfg, load_target(cfg.target), tau_evaluator=tau_of)
+    trainer = Trainer(cfg, RunLayout.of(cfg), load_target(cfg.target), tau_evaluator=tau_of)
     plan = trainer.my_batches(0)
     assert all(len(batch) == 1 for batch in plan) and any(len(batch[0]) > 1 for batch in plan)  # packed rows
     trainer.fit()
@@ -235,7 +230,7 @@ def test_in_loop_tau_never_runs_on_the_prompts_the_head_is_scored_on(monkeypatch
 def test_a_served_vocabulary_wider_than_the_target_is_a_config_error(prepared, tmp_path):
     cfg = compose_cfg(run_dir_from(prepared, tmp_path, "wide"), "train.served_vocab_size=1000")
     with pytest.raises(ConfigError, match="`train.served_vocab_size`: got 1000, the target has only 384 tokens"):
-        Trainer(cfg, load_target(cfg.target))
+        Trainer(cfg, RunLayout.of(cfg), load_target(cfg.target))
 
 
 def test_deepspeed_configs_compose():
@@ -273,7 +268,7 @@ def test_two_rank_deepspeed_run_on_cpu_splits_the_data_and_skips_bad_gradients(p
         seen = [{i for b in r["micro_batches"] if b["epoch"] == epoch for i in b["ids"]} for r in ranks]
         assert seen[0] and seen[1] and not seen[0] & seen[1], epoch
     cfg = compose_cfg(run_dir)
-    trained = DraftVocab.load(run_dir / "data" / "vocab.safetensors")
+    trained = DraftVocab.load(RunLayout.of(cfg).vocab_file)
     served = build_draft_vocab(trained.counts_V, cfg.train.served_vocab_size)  # what ckpt/final and best hold
     fresh = build_head(cfg.head, load_target(cfg.target), served.d2t_N, served.t2d_V)
     for name in ("final", "best"):

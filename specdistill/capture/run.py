@@ -1,8 +1,7 @@
 """The capture stage: run the frozen target over the prepared samples and write the feature store.
 
-Reads `<run_dir>/data/samples` (HF dataset: input_ids, loss_mask), writes `<run_dir>/features/`
-(or `cfg.out`). Shards are planned from the data alone, so a killed run resumes with any number of
-ranks: rank r captures shards r, r + world, ...; rank 0 writes the one manifest after a barrier.
+Reads the prepared samples (HF dataset: input_ids, loss_mask), writes the feature store
+(`RunLayout.features_dir`). Shards are planned from the data alone, so a killed run resumes with any number of ranks: rank r captures shards r, r + world, ...; rank 0 writes the one manifest after a barrier.
 A finished store made with the same target, layers, dtype, teacher and data is kept, not redone.
 
 Legend: B batch, T tokens (right-padded).
@@ -37,6 +36,7 @@ from specdistill.capture.store import (
 from specdistill.config import RunConfig
 from specdistill.distributed import join_launch
 from specdistill.io import weights_fingerprint
+from specdistill.layout import RunLayout
 from specdistill.target import Target, TargetRunner, computing_in, resolve_dtype
 
 log = logging.getLogger(__name__)
@@ -47,14 +47,6 @@ SCAN_ROWS = 8192
 
 class BadSamples(ValueError):
     """The prepared samples are missing or malformed; the message names the row and field."""
-
-
-def features_dir(cfg: RunConfig) -> Path:
-    return Path(cfg.out) if cfg.out else cfg.run_dir / "features"
-
-
-def samples_dir(cfg: RunConfig) -> Path:
-    return cfg.run_dir / "data" / "samples"
 
 
 # ---------------------------------------------------------------- input
@@ -245,14 +237,15 @@ def _summary(store: FeatureStore, skipped: bool) -> dict:
     }
 
 
-def run(cfg: RunConfig, target) -> dict:
-    """Capture features for every prepared sample (offline mode); `target` is a pipeline.LazyTarget."""
+def run(cfg: RunConfig, layout: RunLayout, target) -> dict:
+    """Capture features for every prepared sample (offline mode) into `layout.features_dir`; `target` is a
+    pipeline.LazyTarget."""
     if cfg.capture.mode == "online":
         log.info("capture.mode=online: no feature store; the target runs inside training")
         return {"mode": "online", "skipped": True}
-    out_dir = features_dir(cfg)
+    out_dir = layout.features_dir
     rank, world, device = join_launch()
-    where = samples_dir(cfg)
+    where = layout.samples_dir
     ds = load_samples(where)
     loaded = target.get()
     scan = scan_samples(ds, where, loaded.vocab_size)
@@ -262,7 +255,7 @@ def run(cfg: RunConfig, target) -> dict:
     _barrier(world)
     if existing is not None:
         log.info(
-            "feature store at %s already holds these features (%d samples); skipping capture",
+            "capture: reusing the feature store at %s (%d samples): captured for these settings already",
             out_dir,
             len(existing),
         )

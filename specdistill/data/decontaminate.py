@@ -48,3 +48,9 @@ class BenchmarkSpans:
                     return RowError("benchmark_overlap", f"messages[{i}] ({message['role']}) shares the {self.n}-token "
                                                          f"span {span!r} with {self.bench} row {row} ({split} split)")
         return None
+
+
+def decontaminated_against(cfg) -> str | None:
+    """The benchmark whose spans read sources are checked against; None when none is (self-synthesis reads
+    nothing, and `data.decontaminate_ngram=0` turns the check off). `cfg`: a RunConfig."""
+    return cfg.eval.bench if cfg.data.source != "synth" and cfg.data.decontaminate_ngram else None

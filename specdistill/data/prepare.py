@@ -1,17 +1,19 @@
 """The `prepare` stage: conversations (self-synthesised, or read, decontaminated and regenerated) -> tokenized
 samples with assistant-only loss masks -> draft vocabulary.
 
-Output layout under the data dir (`cfg.out`, else `<run dir>/data`), read by capture and train:
+Output layout under the data dir (`RunLayout.data_dir`: the store entry of these data settings), read by
+capture and train:
   samples/            HF datasets `save_to_disk`: input_ids (int32), loss_mask (uint8), messages and
                       provenance (JSON strings)
   vocab.safetensors   d2t int64 [N], t2d bool [V], counts int64 [V] (see `vocab.py`)
   rejects.jsonl       every unusable or left-out row with its reason and source position
   summary.json        counts, rejects per reason, decontamination, coverage, timings; written last, so its presence
                       with a matching fingerprint means the stage is complete and can be skipped
-  cache/              generated conversations by content hash (a killed run resumes from here)
   engine/             each rank's vLLM log (data.generation.backend=vllm)
   .build/             Arrow files of the conversations and tokenized rows while the stage runs (removed)
 
+Generated conversations are cached by content in the store's `cache/` (`RunLayout.cache_dir`), shared by every
+entry: a killed run resumes there, and data made with other settings reuses every answer already generated.
 Nothing is held whole in memory: sources stream one window at a time (`SourceConversations`), rows go to
 Arrow files on disk, and the statistics are gathered batch by batch.
 """
@@ -25,16 +27,16 @@ import random
 import shutil
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
 import datasets
 import torch
 
-from specdistill.cache import ResultCache, content_key
+from specdistill.cache import ResultCache
 from specdistill.config import ConfigError, RunConfig
-from specdistill.data.decontaminate import BenchmarkSpans
+from specdistill.data.decontaminate import BenchmarkSpans, decontaminated_against
 from specdistill.data.documents import answers_needed, document_tasks, documents_wanted
 from specdistill.data.generate import LocalGenerator
 from specdistill.data.openai_client import OpenAIBackend
@@ -53,6 +55,7 @@ from specdistill.data.vocab import DraftVocab, build_draft_vocab, count_tokens
 from specdistill.distributed import gather_objects, join_launch
 from specdistill.engines import engine_python
 from specdistill.io import atomic_dir, write_json
+from specdistill.layout import RunLayout
 from specdistill.target import Target, check_vocab_fits, computing_in, resolve_dtype, served_dir
 
 log = logging.getLogger(__name__)
@@ -74,10 +77,6 @@ class PreparedData:
     vocab: DraftVocab
 
 
-def data_dir_of(cfg: RunConfig) -> Path:
-    return Path(cfg.out) if cfg.out else cfg.run_dir / "data"
-
-
 def load_prepared(data_dir: str | Path) -> PreparedData:
     """The prepare stage's output, for capture and train."""
     data_dir = Path(data_dir)
@@ -85,16 +84,6 @@ def load_prepared(data_dir: str | Path) -> PreparedData:
         raise FileNotFoundError(f"{data_dir}: no complete prepared data (summary.json missing); run the prepare stage")
     return PreparedData(samples=datasets.load_from_disk(str(data_dir / "samples")),
                         vocab=DraftVocab.load(data_dir / "vocab.safetensors"))
-
-
-def decontaminated_against(cfg: RunConfig) -> str | None:
-    """The benchmark whose spans read sources are checked against (`decontaminate.py`); None when none is."""
-    return cfg.eval.bench if cfg.data.source != "synth" and cfg.data.decontaminate_ngram else None
-
-
-def fingerprint(cfg: RunConfig) -> str:
-    """What the prepared data depends on; a change rebuilds it (the conversation cache still applies)."""
-    return content_key(asdict(cfg.data), cfg.target.name, cfg.target.revision, cfg.seed, decontaminated_against(cfg))
 
 
 def _completed_summary(data_dir: Path, want: str) -> dict | None:
@@ -115,13 +104,13 @@ def generation_model(target: Target, dtype_name: str) -> torch.nn.Module:
     return model
 
 
-def run(cfg: RunConfig, target) -> dict:
-    """Build (or find complete) the prepared data under the data dir; returns the summary."""
-    data_dir = data_dir_of(cfg)
-    want = fingerprint(cfg)
+def run(cfg: RunConfig, layout: RunLayout, target) -> dict:
+    """Build (or find complete) the prepared data in `layout.data_dir`; returns the summary."""
+    data_dir, want = layout.data_dir, layout.data_key
     done = _completed_summary(data_dir, want)
     if done is not None:
-        log.info("prepare: %s is complete (%d samples); skipping", data_dir, done["samples"])
+        log.info("prepare: reusing the prepared data in %s (%d samples): made for these data settings already",
+                 data_dir, done["samples"])
         return done
     rank, world, _ = join_launch()
     timings: dict[str, float] = {}
@@ -129,7 +118,7 @@ def run(cfg: RunConfig, target) -> dict:
     tgt: Target = target.get()
     check_vocab_fits(cfg, tgt.vocab_size)  # again on the loaded model: a GGUF-only target's size is known only now
     chat = ChatFormat(tgt.tokenizer)
-    cache = ResultCache(data_dir / "cache", rank)
+    cache = ResultCache(layout.cache_dir, f"{want[:12]}.rank{rank}")
     timings["load_target_s"] = time.time() - t0
 
     t0 = time.time()
@@ -141,7 +130,7 @@ def run(cfg: RunConfig, target) -> dict:
                                                   cfg.target.name, cfg.seed)
         stream, counted = iter(synthesized), RejectLog()  # synthesis filters are not bad input
     else:
-        sources = SourceConversations(cfg, tgt, chat, cache, rank, world)
+        sources = SourceConversations(cfg, tgt, chat, cache, rank, world, data_dir / "engine")
         if rank != 0:  # regenerate this rank's share of every window; rank 0 writes the samples
             if cfg.data.regenerate:
                 for _ in sources:
@@ -213,7 +202,7 @@ def _local_generator(cfg: RunConfig, tgt: Target, chat: ChatFormat, batch_size: 
                           chat.stop_token_ids(), batch_size, num_tokens=len(tgt.tokenizer))
 
 
-def _vllm_generator(cfg: RunConfig, tgt: Target, chat: ChatFormat, rank: int) -> VllmGenerator:
+def _vllm_generator(cfg: RunConfig, tgt: Target, chat: ChatFormat, rank: int, log_dir: Path) -> VllmGenerator:
     """vLLM serving the target's folder in the generation dtype, on this rank's device, stopping where our decode
     loop stops. The engine's interpreter is the evaluation's (`eval.engine.python`, else `.engine/`)."""
     device = next(tgt.model.parameters()).device
@@ -221,7 +210,7 @@ def _vllm_generator(cfg: RunConfig, tgt: Target, chat: ChatFormat, rank: int) ->
     return VllmGenerator(served_dir(cfg.target), python, resolve_dtype(cfg.data.generation.dtype, device),
                          tgt.config.max_position_embeddings, chat.stop_token_ids(), cfg.data.generation.batch_size,
                          len(tgt.tokenizer), tgt.vocab_size, device,
-                         data_dir_of(cfg) / "engine" / f"regenerate.rank{rank}.log")
+                         log_dir / f"regenerate.rank{rank}.log")
 
 
 def _conversation_rows(stream: Iterator[dict]) -> Iterator[dict]:
@@ -239,8 +228,9 @@ class SourceConversations:
     cache (every rank iterates; only rank 0's iteration yields). Only one window is ever held in memory.
     `rejects` and `total` (rows read) are complete once the iteration ends."""
 
-    def __init__(self, cfg: RunConfig, tgt: Target, chat: ChatFormat, cache: ResultCache, rank: int,
-                 world: int):
+    def __init__(self, cfg: RunConfig, tgt: Target, chat: ChatFormat, cache: ResultCache, rank: int = 0,
+                 world: int = 1, engine_log_dir: Path | None = None):
+        """engine_log_dir: where the vLLM backend's worker logs (data.generation.backend=vllm)."""
         self.cfg, self.cache, self.rank, self.world = cfg, cache, rank, world
         self.rejects, self.total = RejectLog(), 0
         self.regenerated = 0  # conversations yielded (rank 0)
@@ -257,7 +247,7 @@ class SourceConversations:
             self.backend = OpenAIBackend(generation, cfg.target.name)
         else:
             if generation.backend == "vllm":
-                self.engine = _vllm_generator(cfg, tgt, chat, rank)
+                self.engine = _vllm_generator(cfg, tgt, chat, rank, engine_log_dir or Path("."))
             generator = self.engine or _local_generator(cfg, tgt, chat, generation.batch_size)
             self.backend = LocalBackend(generator, chat, generation, cfg.seed, max_prompt_tokens=cfg.data.max_length)
 

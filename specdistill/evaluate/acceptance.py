@@ -69,7 +69,7 @@ def main(dict_cfg: DictConfig) -> dict | None:
     """Evaluate the head; under `accelerate launch --num_processes N` the ranks share the prompts and rank 0
     prints and returns the report (the other ranks return None)."""
     cfg, run = to_run_config(dict_cfg)
-    return run_as_one_job(cfg.out, lambda: _evaluate(cfg, run))
+    return run_as_one_job(Path(cfg.out) / "failed", lambda: _evaluate(cfg, run))
 
 
 def _evaluate(cfg: AcceptanceConfig, run: RunConfig) -> dict | None:

@@ -30,8 +30,9 @@ from specdistill.evaluate.advice import advise, head_cost, target_cost
 from specdistill.evaluate.bench import conversation_ids, load_prompts, turn_batches
 from specdistill.evaluate.engine import engine_digest, evaluate_in_engine
 from specdistill.evaluate.report import write_report
-from specdistill.heads import HEAD_CONFIG, check_head_fits_target, load_head, trained_head_dir
+from specdistill.heads import HEAD_CONFIG, check_head_fits_target, load_head
 from specdistill.io import weights_fingerprint
+from specdistill.layout import RunLayout
 from specdistill.spec import kernels
 from specdistill.spec.decode import (
     GREEDY,
@@ -233,7 +234,7 @@ def decode_shared(cfg: RunConfig, target: Target, head, proposers: dict, items: 
     {"resumed": batches taken from the cache, "prompts_per_rank": [...]}."""
     ev, (rank, world) = cfg.eval, rank_and_world()
     runner, sampling = TargetRunner(target), Sampling(ev.temperature, ev.top_k, ev.top_p)
-    done = ResultCache(out_dir / PARTIAL, rank, stem="batches")
+    done = ResultCache(out_dir / PARTIAL, f"rank{rank}", stem="batches")
     fingerprint = evaluation_fingerprint(cfg, target, head)
     batches = list(turn_batches(items, ev.batch_size))
     decoded, answers, resumed, prompts = {}, [[] for _ in items], 0, 0
@@ -366,10 +367,9 @@ def evaluate_head_tau(head, target: Target, prompts: list[str], cfg: EvalConfig)
             "seconds": round(time.perf_counter() - t0, 3)}
 
 
-def run(cfg: RunConfig, target) -> dict:
-    out_dir = Path(cfg.out) if cfg.out else cfg.run_dir / "eval"
-    path = trained_head_dir(cfg.run_dir)
-    serve_dirs = {engine: str(cfg.run_dir / "export" / engine) for engine in ("sglang", "vllm")}
+def run(cfg: RunConfig, layout: RunLayout, target) -> dict:
+    out_dir, path = layout.eval_dir, layout.trained_head_dir()
+    serve_dirs = {engine: str(layout.export_dir / engine) for engine in ("sglang", "vllm")}
     report = evaluate(cfg, target.get(), load_head(path), out_dir, str(path), serve_dirs)
     if report is None:  # a rank other than 0: its share is in rank 0's report
         return {}

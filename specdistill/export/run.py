@@ -8,7 +8,8 @@ from pathlib import Path
 
 from specdistill.config import EMBEDDED_TARGET, RANDOM_TARGET, RunConfig
 from specdistill.export import EAGLE3_LAYOUTS, FITTING_FORMATS, MTP_LAYOUTS, common, export_eagle3, export_mtp
-from specdistill.heads import load_head, trained_head_dir
+from specdistill.heads import load_head
+from specdistill.layout import RunLayout
 from specdistill.target import served_dir
 
 log = logging.getLogger(__name__)
@@ -44,23 +45,27 @@ def export_checkpoint(ckpt: str | Path, formats: list[str] | None, out: str | Pa
     return paths
 
 
-def advised_speculative_tokens(run_dir: Path) -> int:
-    """The chain the run's evaluation advises for vLLM at its smallest batch, else the default."""
-    report = run_dir / "eval" / "report.json"
-    advice = json.loads(report.read_text()).get("serving_advice") if report.exists() else None
+def advised_speculative_tokens(report: Path) -> int:
+    """The chain the run's evaluation on the dev split advises for vLLM at its smallest batch, else the default:
+    a default chosen on the test split would no longer leave the test split untouched."""
+    saved = json.loads(report.read_text()) if report.exists() else {}
+    if saved and saved.get("split") != "dev":
+        log.info("%s is an evaluation on the %s split: its serving advice is not read; %d speculative tokens",
+                 report, saved.get("split"), DEFAULT_SPECULATIVE_TOKENS)
+        return DEFAULT_SPECULATIVE_TOKENS
+    advice = saved.get("serving_advice")
     steps = advice["per_batch"][0]["vllm_steps"] if advice and advice.get("per_batch") else 0
     return steps if steps >= 1 else DEFAULT_SPECULATIVE_TOKENS
 
 
-def run(cfg: RunConfig, target=None) -> dict:
+def run(cfg: RunConfig, layout: RunLayout, target=None) -> dict:
     """Export stage entry; `target` is unused (every dimension is in the head config). The verifier is the target's
     HF name (the random target: its saved folder). The target's own folder (a local dir, its HF cache entry, the
     saved random target) is the checkpoint whose stale MTP layer a native MTP export replaces; the embedded GGUF
     target has none."""
-    out = Path(cfg.out) if cfg.out else cfg.run_dir / "export"
     checkpoint = None if cfg.target.name == EMBEDDED_TARGET or cfg.target.gguf_file else served_dir(cfg.target)
     served = str(checkpoint) if cfg.target.name == RANDOM_TARGET else SERVED_NAMES.get(cfg.target.name, cfg.target.name)
-    steps = cfg.export.speculative_tokens or advised_speculative_tokens(cfg.run_dir)
-    paths = export_checkpoint(trained_head_dir(cfg.run_dir), cfg.export.formats, out, cfg.export.dtype, served, steps,
-                              checkpoint)
+    steps = cfg.export.speculative_tokens or advised_speculative_tokens(layout.report_file)
+    paths = export_checkpoint(layout.trained_head_dir(), cfg.export.formats, layout.export_dir, cfg.export.dtype,
+                              served, steps, checkpoint)
     return {"formats": paths}

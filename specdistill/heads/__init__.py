@@ -187,22 +187,3 @@ def head_from_state(config, state: dict[str, torch.Tensor], source: str):
     if missing or unexpected:
         raise ValueError(f"{source}: missing keys {missing}, unexpected keys {unexpected}")
     return head
-
-
-def trained_head_dir(run_dir: str | Path) -> Path:
-    """`ckpt/best/` if training kept one, else `ckpt/final/`: the head evaluate and export use. A corrupted
-    best/ falls back to final/ with a warning; when both are corrupted the error names their files."""
-    corrupt = []
-    for name in ("best", "final"):
-        directory = Path(run_dir) / "ckpt" / name
-        if (directory / HEAD_CONFIG).exists():
-            try:
-                verify_checksums(directory)
-                return directory
-            except CorruptFile as err:
-                log.warning("%s; falling back to the next head checkpoint", err)
-                corrupt.append(str(err))
-    if corrupt:
-        raise CorruptFile(f"no intact head checkpoint: {'; '.join(corrupt)}; run the train stage again")
-    raise FileNotFoundError(f"{Path(run_dir) / 'ckpt'}: neither best/ nor final/ holds a head checkpoint; "
-                            "run the train stage first")

@@ -1,57 +1,42 @@
 """The train stage: one Trainer over accelerate (+ DeepSpeed), resumable from its last checkpoint.
 
-accelerate / DeepSpeed wiring lives only here; heads, losses and the TTT unroll are single-device code.
-A checkpoint (`ckpt/step-N/`) holds the head, optimizer, scheduler (accelerate's state), the data
-position and history (`trainer_state.json`), every rank's RNG (`rng-rank-R.safetensors`) and sample ids, so a run
-killed with SIGKILL and started again with the same command ends with the same weights. `checksums.json` is
-written last: a resume passes over a corrupted checkpoint to the one before it. `trainer_state.json` also records
-the run's fingerprint (hashes of the features, draft vocabulary and target, and the train and head fields that
-change the weights): a checkpoint made for other inputs is refused, never resumed (`restart=true` discards it). The last
-`train.keep_last` checkpoints are kept, and the best head so far (by in-loop tau, else held-out
-simulated tau) in `ckpt/best/`. With `train.served_vocab_size`, the heads in `ckpt/best/` and
-`ckpt/final/` (and the one the in-loop tau scores) are widened to that many draft tokens
-(`heads/widen.py`); step checkpoints keep the trained shape, so a resumed run trains the same head. Each
-rank writes the sample ids it consumed to `train/samples-rank-R.json`.
+The loop reads top to bottom in `fit`: a micro-batch (`train_step`), an optimizer step every `train.grad_accum`
+of them, metrics, the periodic evaluations (held-out accuracy at checkpoints, the real in-loop tau every
+`train.eval_every` steps, keeping the best head in `ckpt/best/`), and a checkpoint every `train.ckpt_every`
+steps (`checkpoint.py`: saving, verifying, resuming). With `train.served_vocab_size`, the heads in `best/` and
+`final/` (and the one the in-loop tau scores) are widened to that many draft tokens (`heads/widen.py`); step
+checkpoints keep the trained shape, so a resumed run trains the same head. Each rank writes the sample ids it
+consumed to `train/samples-rank-R.json`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import random
-import shutil
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import numpy as np
 import torch
-from safetensors.torch import load_file
 from torch import nn
 from tqdm import tqdm
 
-from specdistill.capture.run import samples_dir
 from specdistill.capture.store import FeatureStore
 from specdistill.config import ConfigError, RunConfig
 from specdistill.data.vocab import DraftVocab, build_draft_vocab
 from specdistill.distributed import rank_and_world
 from specdistill.evaluate import metrics
-from specdistill.fingerprint import TRAINED_ON, check_same, train_fingerprint
-from specdistill.heads import build_head, head_from_state, save_head
+from specdistill.fingerprint import train_fingerprint
+from specdistill.heads import build_head, head_from_state
 from specdistill.heads.copy_init import init_copy_attention, keep_copy_queries_on_slow_pairs
 from specdistill.heads.widen import widened
-from specdistill.io import (
-    CorruptFile,
-    atomic_dir,
-    atomic_path,
-    save_tensors,
-    verify_checksums,
-    write_checksums,
-    write_json,
-)
-from specdistill.pipeline import redacted
-from specdistill.target import Target, TargetRunner, bf16_is_native, computing_in
+from specdistill.io import write_json
+from specdistill.layout import RunLayout
+from specdistill.redact import redacted
+from specdistill.target import Target, TargetRunner, computing_in
+from specdistill.train.accelerator import all_ranks_true, make_accelerator
+from specdistill.train.checkpoint import CheckpointManager
+from specdistill.train.curves import plot_history
 from specdistill.train.data import PLANS, OnlineSource, StoreSource, collate
 from specdistill.train.loss import LOSSES
 from specdistill.train.schedule import warmup_cosine
@@ -59,8 +44,7 @@ from specdistill.train.teacher import Teacher
 from specdistill.train.ttt import TTTBatch, TTTResult, padded_documents, teacher_rows, unroll_ttt
 
 log = logging.getLogger(__name__)
-DEEPSPEED_DIR = Path(__file__).resolve().parents[2] / "conf" / "deepspeed"
-COPY_INIT_SAMPLES = 40  # training samples the copy heads' token read-out is fitted on (1,000: the same tau, docs/results.md)
+COPY_INIT_SAMPLES = 40  # training samples the copy heads' token read-out is fitted on: a few thousand tokens fit it
 
 
 class TTTModel(nn.Module):
@@ -73,81 +57,6 @@ class TTTModel(nn.Module):
 
     def forward(self, batch: TTTBatch, teacher) -> TTTResult:
         return unroll_ttt(self.head, batch, teacher, self.steps, self.step_weight, self.loss_fn)
-
-
-def deepspeed_config(cfg: RunConfig, precision: str) -> dict:
-    """conf/deepspeed/<name>.json completed from the train config (accumulation, clipping, precision)."""
-    ds = json.loads((DEEPSPEED_DIR / f"{cfg.train.deepspeed}.json").read_text())
-    ds.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=cfg.train.grad_accum,
-              gradient_clipping=cfg.train.grad_clip)
-    ds["bf16"] = {"enabled": precision == "bf16"}
-    return ds
-
-
-def resolve_precision(precision: str, deepspeed: str | None) -> str:
-    """`auto`: bf16 on a GPU, and on a CPU that multiplies bf16 natively (AMX or AVX512-BF16, ~4x its fp32
-    rate) unless DeepSpeed runs there; fp32 otherwise."""
-    if precision != "auto":
-        return precision
-    if torch.cuda.is_available():
-        return "bf16"
-    return "bf16" if deepspeed is None and bf16_is_native("cpu") else "no"
-
-
-def make_accelerator(cfg: RunConfig):
-    from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin
-
-    if cfg.train.deepspeed and "LOCAL_RANK" not in os.environ:
-        raise ConfigError(f"train.deepspeed={cfg.train.deepspeed} needs a multi-process launch, e.g. `accelerate "
-                          "launch --multi_gpu --num_processes 2 train.py ...` (--multi_gpu also on a CPU-only "
-                          "machine: without it accelerate starts a single process)")
-    precision = resolve_precision(cfg.train.mixed_precision, cfg.train.deepspeed)
-    plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(cfg, precision)) if cfg.train.deepspeed else None
-    # `cpu=True` would make accelerate drop DeepSpeed for plain DDP: on a CPU-only machine DeepSpeed finds
-    # no GPU by itself and runs on the CPU over gloo
-    return Accelerator(mixed_precision=precision, gradient_accumulation_steps=cfg.train.grad_accum,
-                       deepspeed_plugin=plugin, cpu=not torch.cuda.is_available() and plugin is None)
-
-
-def save_rng(path: Path) -> None:
-    """This rank's torch (CPU and CUDA), numpy and python RNG states, as safetensors (no pickle)."""
-    py_version, py_state, _ = random.getstate()
-    np_state = np.random.get_state()
-    tensors = {"torch": torch.get_rng_state(), "python": torch.tensor(py_state, dtype=torch.int64),
-               "numpy": torch.from_numpy(np_state[1].astype(np.int64)),
-               "numpy_pos": torch.tensor([np_state[2]], dtype=torch.int64)}
-    if torch.cuda.is_available():
-        tensors["cuda"] = torch.cuda.get_rng_state()
-    save_tensors(path, tensors, metadata={"python_version": str(py_version)})
-
-
-def load_rng(path: Path) -> None:
-    t = load_file(str(path))
-    torch.set_rng_state(t["torch"])
-    random.setstate((3, tuple(int(x) for x in t["python"]), None))
-    np.random.set_state(("MT19937", t["numpy"].numpy().astype(np.uint32), int(t["numpy_pos"][0]), 0, 0.0))
-    if "cuda" in t and torch.cuda.is_available():
-        torch.cuda.set_rng_state(t["cuda"])
-
-
-def trainer_state(ckpt: Path) -> dict:
-    """A checkpoint's trainer_state.json; a missing or garbled one is a CorruptFile naming it."""
-    path = ckpt / "trainer_state.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise CorruptFile(f"{path}: unreadable ({err})") from err
-
-
-def all_ranks_true(flag: bool) -> bool:
-    """True only if `flag` holds on every rank (ranks must skip a step together or hang in the reduce)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return flag
-    device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"  # NCCL reduces GPU tensors only
-    t = torch.tensor([1 if flag else 0], device=device)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
-    return bool(t.item())
 
 
 def load_tau_evaluator(cfg: RunConfig, target: Target):
@@ -179,27 +88,27 @@ class TrainState:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, target: Target, tau_evaluator=None):
+    def __init__(self, cfg: RunConfig, layout: RunLayout, target: Target, tau_evaluator=None):
         """`tau_evaluator(head) -> {"tau": ..., "tau_copy": ...}` runs every `train.eval_every` steps (default:
         the evaluation stage's `evaluate_head_tau` on `eval.bench` rows outside the scored slice)."""
-        self.cfg = cfg
-        self.run_dir = cfg.run_dir
-        self.ckpt_dir = self.run_dir / "ckpt"
+        self.cfg, self.layout = cfg, layout
         self.accelerator = make_accelerator(cfg)
         self.rank, self.world = rank_and_world()
         self.device = self.accelerator.device
-        vocab = DraftVocab.load(self.run_dir / "data" / "vocab.safetensors")
+        vocab = DraftVocab.load(layout.vocab_file)
         if cfg.capture.mode == "online":
-            self.source = OnlineSource(samples_dir(cfg), computing_in(target, cfg.capture.target_dtype),
+            self.source = OnlineSource(layout.samples_dir, computing_in(target, cfg.capture.target_dtype),
                                        cfg.capture.teacher, cfg.capture.teacher_topk, self.device)
         else:
-            store = FeatureStore(self.run_dir / "features")
+            store = FeatureStore(layout.features_dir)
             store.check_compatible(target.name, list(target.layer_ids), target.hidden_size, cfg.capture.teacher)
             self.source = StoreSource(store)
-        self.fingerprint = train_fingerprint(cfg, target)
+        self.fingerprint = train_fingerprint(cfg, layout, target)
+        self.checkpoints = CheckpointManager(layout, self.accelerator, self.rank, self.world, self.fingerprint,
+                                             cfg.name, cfg.train.keep_last)
         if cfg.restart:
-            self.discard_checkpoints()
-        self.resume_from = self.intact_checkpoint()
+            self.checkpoints.discard()
+        self.resume_from = self.checkpoints.latest_intact()
         self.plan = PLANS[cfg.train.batching]
         self.packed = cfg.train.batching == "pack"
         torch.manual_seed(cfg.seed)
@@ -260,83 +169,16 @@ class Trainer:
 
     # ------------------------------------------------------------ checkpoints
 
-    def checkpoints(self) -> list[Path]:
-        return sorted(self.ckpt_dir.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    def maybe_resume(self) -> None:
+        if self.resume_from is None:
+            return
+        saved, self.history, self.consumed = self.checkpoints.restore(self.resume_from)
+        self.state = TrainState(**saved)
+        log.info("resumed from %s (step %d, epoch %d, micro-batch %d)", self.resume_from, self.state.step,
+                 self.state.epoch, self.state.batch_in_epoch)
 
     def save_checkpoint(self) -> None:
-        final = self.ckpt_dir / f"step-{self.state.step:07d}"
-        tmp = self.ckpt_dir / f".tmp-step-{self.state.step:07d}"
-        if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        self.accelerator.wait_for_everyone()
-        self.accelerator.save_state(str(tmp))
-        save_rng(tmp / f"rng-rank-{self.rank}.safetensors")
-        write_json(tmp / f"samples-rank-{self.rank}.json", {"micro_batches": self.consumed})
-        self.accelerator.wait_for_everyone()
-        if self.rank == 0:
-            write_json(tmp / "trainer_state.json", {**self.state.__dict__, "history": self.history,
-                                                    "fingerprint": self.fingerprint})
-            write_checksums(tmp)
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            for old in self.checkpoints()[: -self.cfg.train.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
-            log.info("checkpoint %s (keeping the last %d)", final, self.cfg.train.keep_last)
-        self.accelerator.wait_for_everyone()
-
-    def discard_checkpoints(self) -> None:
-        """restart=true: the run's checkpoints and training records go, whatever they were trained on."""
-        if self.rank == 0 and self.ckpt_dir.exists():
-            log.warning("restart=true: removing %s and %s", self.ckpt_dir, self.run_dir / "train")
-            shutil.rmtree(self.ckpt_dir)
-            shutil.rmtree(self.run_dir / "train", ignore_errors=True)
-        self.accelerator.wait_for_everyone()
-
-    def intact_checkpoint(self) -> Path | None:
-        """The newest step checkpoint whose files match their checksums (a corrupted newer one is passed over
-        with a warning naming its bad file) and that was trained on this run's inputs and settings (else
-        StaleRun says what changed); when every one is corrupted the error names them all."""
-        corrupt = []
-        for ckpt in reversed(self.checkpoints()):
-            try:
-                verify_checksums(ckpt)
-                recorded = trainer_state(ckpt).get("fingerprint")
-            except CorruptFile as err:
-                log.warning("%s; resuming from the checkpoint before it", err)
-                corrupt.append(str(err))
-                continue
-            if recorded is None:
-                log.warning("%s records no fingerprint (written by an older version): resuming unchecked", ckpt)
-            else:
-                check_same(ckpt, recorded, self.fingerprint, self.cfg.name)
-            return ckpt
-        if corrupt:
-            raise CorruptFile(f"every checkpoint in {self.ckpt_dir} is corrupted: {'; '.join(corrupt)}; pass "
-                              "restart=true to train from the start")
-        return None
-
-    def maybe_resume(self) -> None:
-        latest = self.resume_from
-        if latest is None:
-            return
-        saved = trainer_state(latest)
-        saved.pop("fingerprint", None)
-        consumed = latest / f"samples-rank-{self.rank}.json"
-        if consumed.exists():  # the sample ids trained on before the resume (older checkpoints lack them)
-            self.consumed = json.loads(consumed.read_text())["micro_batches"]
-        if saved.get("world", 1) != self.world:
-            raise RuntimeError(f"{latest} was written by {saved.get('world', 1)} ranks, this run has {self.world}; "
-                               "resume with the same number of processes (the data order depends on it)")
-        try:
-            self.accelerator.load_state(str(latest))
-            load_rng(latest / f"rng-rank-{self.rank}.safetensors")
-        except Exception as err:  # a checkpoint without checksums (older version): accelerate's or safetensors' error
-            raise CorruptFile(f"{latest}: cannot be loaded ({type(err).__name__}: {err}); remove it to resume from the "
-                              "one before, or pass restart=true") from err
-        self.history = saved.pop("history")
-        self.state = TrainState(**saved)
-        log.info("resumed from %s (step %d, epoch %d, micro-batch %d)", latest, self.state.step, self.state.epoch,
-                 self.state.batch_in_epoch)
+        self.checkpoints.save(self.state.step, self.state.__dict__, self.history, self.consumed)
 
     def head_snapshot(self, on_every_rank: bool = False):
         """The head with all its weights, on rank 0 (None elsewhere) or on every rank; every rank must call it.
@@ -370,16 +212,13 @@ class Trainer:
         return self.state.best_metric is None or metric > self.state.best_metric
 
     def save_best(self, metric: float, name: str, head) -> None:
-        """Keep `head` (rank 0's served snapshot) in ckpt/best/ when `metric` beats every earlier one (never rotated away)."""
+        """Keep `head` (rank 0's served snapshot) in best/ when `metric` beats every earlier one (never rotated away)."""
         if not self.improves(metric):
             return
         self.state.best_metric, self.state.best_step = metric, self.state.step
+        self.checkpoints.save_head(self.layout.best_dir, head, {"step": self.state.step, name: metric})
         if self.rank == 0:
-            with atomic_dir(self.ckpt_dir / "best") as tmp:
-                write_json(tmp / TRAINED_ON, self.fingerprint)
-                save_head(head, tmp)
-                write_json(tmp / "best.json", {"step": self.state.step, name: metric})
-            log.info("new best head (%s %.4f at step %d) in %s", name, metric, self.state.step, self.ckpt_dir / "best")
+            log.info("new best head (%s %.4f at step %d) in %s", name, metric, self.state.step, self.layout.best_dir)
 
     # ------------------------------------------------------------ steps
 
@@ -443,7 +282,7 @@ class Trainer:
     def fit(self) -> dict:
         cfg = self.cfg
         self.maybe_resume()
-        wandb_run = start_wandb(cfg, self.rank)
+        wandb_run = start_wandb(cfg, self.layout.run_dir, self.rank)
         bar = tqdm(total=self.total_steps, initial=self.state.step, desc="train", disable=self.rank != 0)
         t0, tokens = time.time(), 0
         while self.state.step < self.total_steps:
@@ -476,7 +315,7 @@ class Trainer:
                 self.state.epoch += 1
                 self.state.batch_in_epoch = 0
         bar.close()
-        if not self.checkpoints() or self.checkpoints()[-1].name != f"step-{self.state.step:07d}":
+        if not self.checkpoints.steps() or self.checkpoints.steps()[-1] != self.layout.step_dir(self.state.step):
             self.save_checkpoint()
         return self.finish(wandb_run)
 
@@ -514,33 +353,30 @@ class Trainer:
         return m
 
     def finish(self, wandb_run) -> dict:
-        head = self.served_snapshot()
-        final = self.ckpt_dir / "final"
-        write_json(self.run_dir / "train" / f"samples-rank-{self.rank}.json",
+        head, layout = self.served_snapshot(), self.layout
+        write_json(layout.train_dir / f"samples-rank-{self.rank}.json",
                    {"rank": self.rank, "world": self.world, "micro_batches": self.consumed})
+        self.checkpoints.save_head(layout.final_dir, head)
         if self.rank == 0:
-            with atomic_dir(final) as tmp:
-                write_json(tmp / TRAINED_ON, self.fingerprint)
-                save_head(head, tmp)
-            write_json(self.run_dir / "train" / "history.json", self.history)
-            plot_history(self.history, self.run_dir / "train" / "curves.png")
+            write_json(layout.train_dir / "history.json", self.history)
+            plot_history(self.history, layout.train_dir / "curves.png")
         if wandb_run is not None:
             wandb_run.finish()
         last = self.history[-1] if self.history else {}
-        log.info("head written to %s; history and curves in %s", final, self.run_dir / "train")
-        return {"head": str(final), "steps": self.state.step, "skipped": self.state.skipped,
-                "best": str(self.ckpt_dir / "best") if self.state.best_step is not None else None,
+        log.info("head written to %s; history and curves in %s", layout.final_dir, layout.train_dir)
+        return {"head": str(layout.final_dir), "steps": self.state.step, "skipped": self.state.skipped,
+                "best": str(layout.best_dir) if self.state.best_step is not None else None,
                 "best_step": self.state.best_step, "loop_tau": last.get("tau"),
                 **{k: v for k, v in last.items() if k.startswith("holdout/")}}
 
 
-def start_wandb(cfg: RunConfig, rank: int):
+def start_wandb(cfg: RunConfig, run_dir: Path, rank: int):
     if cfg.wandb.mode == "disabled" or rank != 0:
         return None
     import wandb
 
     return wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.name, mode=cfg.wandb.mode,
-                      dir=str(cfg.run_dir), config=redacted(cfg), reinit="finish_previous")
+                      dir=str(run_dir), config=redacted(cfg), reinit="finish_previous")
 
 
 def copy_tokens(batch: TTTBatch) -> torch.Tensor:
@@ -555,49 +391,5 @@ def copy_tokens(batch: TTTBatch) -> torch.Tensor:
     return out
 
 
-def moving_average(values: list[float], window: int) -> np.ndarray:
-    """Mean of each value and the `window - 1` before it (fewer at the start): per-step training metrics
-    swing with each batch's mix of documents, so only their trend is readable."""
-    sums = np.cumsum(np.concatenate([[0.0], values]))
-    ends = np.arange(1, len(values) + 1)
-    starts = np.maximum(ends - window, 0)
-    return (sums[ends] - sums[starts]) / (ends - starts)
-
-
-def plot_history(history: list[dict], path: Path) -> None:
-    """train/curves.png: loss and per-step accuracy (a moving average over about a fiftieth of the run,
-    the raw values faint behind), and the held-out accuracy at each checkpoint."""
-    if not history:
-        return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [h["step"] for h in history]
-    window = max(1, len(history) // 50)
-    depths = range(len([k for k in history[0] if k.startswith("acc/")]))
-    fig, (ax_loss, ax_acc, ax_held) = plt.subplots(1, 3, figsize=(16, 4))
-    for ax, key, label in [(ax_loss, "loss", "loss")] + [(ax_acc, f"acc/{j}", f"step {j}") for j in depths]:
-        raw = [h[key] for h in history]
-        line, = ax.plot(steps, moving_average(raw, window), label=label)
-        ax.plot(steps, raw, color=line.get_color(), alpha=0.12, linewidth=0.5)
-    ax_loss.set(xlabel="step", ylabel="weighted TTT loss", title=f"training loss (mean of {window} steps)")
-    ax_acc.set(xlabel="step", ylabel="top-1 agreement with target",
-               title=f"accuracy per TTT step (mean of {window} steps)")
-    ax_acc.legend(fontsize=7, loc="lower right")
-    held = [h for h in history if "holdout/copy_acc0" in h]
-    for j in depths:
-        line, = ax_held.plot([h["step"] for h in held], [h[f"holdout/acc{j}"] for h in held], label=f"step {j}")
-        ax_held.plot([h["step"] for h in held], [h[f"holdout/copy_acc{j}"] for h in held], "--", color=line.get_color())
-    ax_held.set(xlabel="step", ylabel="top-1 agreement with target",
-                title="held out: all tokens (solid), tokens in the context (dashed)")
-    ax_held.legend(fontsize=7)
-    fig.tight_layout()
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, dpi=100, format="png")
-    plt.close(fig)
-
-
-def run(cfg: RunConfig, target) -> dict:
-    return Trainer(cfg, target.get()).fit()
+def run(cfg: RunConfig, layout: RunLayout, target) -> dict:
+    return Trainer(cfg, layout, target.get()).fit()
