@@ -161,3 +161,18 @@ def test_target_not_found_is_raised_for_an_unknown_dir():
 
     with pytest.raises(TargetNotFound, match="no-such-org/no-such-model"):
         resolve_source(TargetConfig(name="no-such-org/no-such-model"))
+
+
+def test_field_checks_come_from_the_fields_own_settings():
+    """Choices and bounds are declared beside each field (`setting`) and one walker checks them all."""
+    with pytest.raises(ConfigError, match=r"`data.generation.backend`: got 'x', expected one of \['local', 'vllm'"):
+        compose_cfg("data.generation.backend=x")
+    with pytest.raises(ConfigError, match=r"`data.documents.share`: got 1.0, expected a number in \[0, 1\)"):
+        compose_cfg("data.documents.share=1")
+    with pytest.raises(ConfigError, match=r"`train.max_steps`: got 0, expected null or a number >= 1"):
+        compose_cfg("train.max_steps=0")
+    with pytest.raises(ConfigError, match=r"`data.synth.openers`: is empty; use \[\"\"\]"):
+        compose_cfg("data.synth.openers=[]")
+    with pytest.raises(ConfigError, match=r"`eval.baselines`: got 'x'"):
+        compose_cfg("eval.baselines=[chain,x]")
+    assert compose_cfg("train.deepspeed=null", "eval.engine.name=null", "export.formats=null").train.deepspeed is None
