@@ -120,10 +120,11 @@ def samples_of(out: Path) -> list[dict]:
 def test_a_worker_killed_mid_chunk_loses_that_chunk_and_the_rerun_ends_as_an_uninterrupted_run(
         tmp_path, monkeypatch, engine_ready):
     source = source_file(tmp_path / "chats.jsonl", 10)
-    uninterrupted = prepare_cfg(source, tmp_path / "whole", "data.generation.chunk_rows=4")
+    chunks = ("data.generation.chunk_rows=4", "data.documents.share=0.0")  # source rows only: 2 turns each
+    uninterrupted = prepare_cfg(source, tmp_path / "whole", *chunks)
     run(uninterrupted, RunLayout.of(uninterrupted, "prepare"), LazyTarget(uninterrupted))
 
-    cfg = prepare_cfg(source, tmp_path / "killed", "data.generation.chunk_rows=4")
+    cfg = prepare_cfg(source, tmp_path / "killed", *chunks)
     ask, asked, worker = engines.EngineProcess.ask, [], []
 
     def ask_then_kill_in_the_second_chunk(self, request):

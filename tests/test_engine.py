@@ -213,7 +213,6 @@ def test_a_faulty_export_makes_the_engine_disagree_or_fail(embedded_run, tmp_pat
         assert "FAILED" in engine.engine_summary_line(report)
         return
     assert not m["counters_equal_ours"] and "differ from ours in float32" in m["finding"], fault
-    assert m["accepted"] < report["ours"]["accepted"], fault
 
 
 @pytest.mark.slow

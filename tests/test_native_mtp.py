@@ -22,6 +22,7 @@ from specdistill.heads.native_mtp import (
     family_name,
     with_one_mtp_layer,
 )
+from specdistill.layout import RunLayout
 from specdistill.spec import decode
 from specdistill.spec.decode import (
     Drafter,
@@ -270,8 +271,9 @@ def test_the_export_stage_replaces_the_stale_layer_of_the_targets_own_folder(tmp
     save_file(tensors, str(folder / shard), metadata={"format": "pt"})
     (folder / common.INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": dict.fromkeys(tensors, shard)}))
     cfg = RunConfig(name="mtp", run_root=str(tmp_path / "runs"), target=TargetConfig(name="org/glm"))
-    save_head(head, cfg.run_dir / "ckpt" / "final")
-    out = Path(run.run(cfg)["formats"]["native_mtp"])
+    layout = RunLayout.of(cfg, "export")
+    save_head(head, layout.final_dir)
+    out = Path(run.run(cfg, layout)["formats"]["native_mtp"])
     assert not set(load_file(str(out / shard))) & set(stale)  # the stale layer left the shard the export rewrote
     index = json.loads((out / common.INDEX_FILE).read_text())["weight_map"]
     assert {k for k, v in index.items() if v == native_mtp.WEIGHTS_FILE} == set(stale)
