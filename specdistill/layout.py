@@ -7,6 +7,7 @@
         features/<key>/            captured features: shards + manifest.json
       <name>/                      one run
         config.json                the resolved config, secrets blanked
+        summary.json               each stage's result and seconds, from the last command
         inputs.json                the store entries this run read
         ckpt/step-N/ best/ final/  training checkpoints and the heads
         train/                     history.json, curves.png, samples-rank-R.json
@@ -120,6 +121,11 @@ class RunLayout:
     @property
     def config_file(self) -> Path:
         return self.run_dir / "config.json"
+
+    @property
+    def summary_file(self) -> Path:
+        """What the last command did: each stage's result and seconds (what a sweep's table reads)."""
+        return self.run_dir / "summary.json"
 
     @property
     def inputs_file(self) -> Path:

@@ -115,7 +115,9 @@ def run_stages(cfg: RunConfig) -> dict[str, dict] | None:
                 results[stage] = importlib.import_module(STAGE_ENTRIES[stage]).run(cfg, layout, target) or {}
         wait_for_everyone()
         if rank == 0:
-            results[stage]["seconds"] = round(time.time() - t0, 1)
+            results[stage]["seconds"] = round(time.time() - t0, 3)
         log.info("stage %s: done in %.1fs", stage, time.time() - t0)
+    if rank == 0:
+        write_json(layout.summary_file, results)
     leave_launch()
     return results if rank == 0 else None

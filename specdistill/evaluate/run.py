@@ -11,6 +11,7 @@ Also `evaluate_head_tau`, the cheap in-training tau.
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import time
@@ -277,6 +278,12 @@ def evaluate(cfg: RunConfig, target: Target, head, out_dir: Path, head_path: str
     kernels.set_backend(ev.kernels)
     device = next(target.model.parameters()).device
     head = head.to(device=device, dtype=target.model.dtype).eval()
+    fingerprint = content_key(evaluation_fingerprint(cfg, target, head), asdict(ev))
+    done = json.loads((out_dir / "report.json").read_text()) if (out_dir / "report.json").exists() else {}
+    if done.get("fingerprint") == fingerprint:
+        log.info("%s already holds this evaluation (the same head, target and settings): kept; remove it to measure "
+                 "again", out_dir / "report.json")
+        return done if rank_and_world()[0] == 0 else None
     items, categories = load_prompts(ev.bench, ev.limit, ev.max_turns, ev.split)
     proposers = drafters(head, target, ev)
     batches, decoded, sharing = decode_shared(cfg, target, head, proposers, items, out_dir)
@@ -312,6 +319,7 @@ def evaluate(cfg: RunConfig, target: Target, head, out_dir: Path, head_path: str
         "plain_new_tokens": sum(len(r["plain_output_ids"]) for r in rows),
         "outside_draft_vocab": outside_draft_vocab(head, [r["plain_output_ids"] for r in rows]),
         "baselines": {name: t.report(plain_s, greedy) for name, t in tallies.items() if name != MAIN},
+        "fingerprint": fingerprint,  # a rerun of the same evaluation keeps this report
         "resumed_batches": sharing["resumed"],  # batches (and their wall times) taken from a killed earlier sitting
         "world": len(sharing["prompts_per_rank"]),  # ranks that shared the decoding
         "prompts_per_rank": sharing["prompts_per_rank"],
@@ -376,4 +384,4 @@ def run(cfg: RunConfig, layout: RunLayout, target) -> dict:
     log.info("tau %.2f, speedup %.2fx, lossless mismatches %s; report in %s", report["tau"], report["speedup"],
              report["lossless_mismatches"], out_dir / "report.json")
     return {"report": str(out_dir / "report.json"), "engine": report.get("engine"),
-            **{k: report[k] for k in ("tau", "speedup", "lossless_mismatches")}}
+            **{k: report[k] for k in ("tau", "tau_ci", "speedup", "lossless_mismatches", "split", "num_prompts")}}
