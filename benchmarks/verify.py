@@ -1,5 +1,5 @@
 """Latency of the tree kernels (build, greedy verify, rejection sampling, KV compaction): Triton against
-our own torch reference (`specdistill/spec/kernels/reference.py`, the baseline) over batch 1-64 and tree
+our own torch reference (`specdistill/decode/kernels/reference.py`, the baseline) over batch 1-64 and tree
 sizes 8-64.
 
 The baseline is no engine's kernel: it is the definition the Triton kernels are tested against, and its
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-BASELINE = ("our own torch reference (specdistill/spec/kernels/reference.py), which synchronises with the host "
+BASELINE = ("our own torch reference (specdistill/decode/kernels/reference.py), which synchronises with the host "
             "on every pass of its tree walks: not an engine's kernel")
 
 
@@ -52,8 +52,8 @@ def timed_us(fn, repeats: int, device: torch.device) -> float:
 
 def kernel_calls(impl, batch: int, nodes: int, vocab: int, device: torch.device) -> dict:
     """One closure per kernel, on random inputs of this size."""
-    from specdistill.spec.kernels import reference
-    from specdistill.spec.tree import random_tree
+    from specdistill.decode.kernels import reference
+    from specdistill.decode.tree import random_tree
 
     gen = torch.Generator().manual_seed(batch * 1000 + nodes)
     tree = random_tree(batch, nodes, 8, gen, device=device)
@@ -89,11 +89,11 @@ def main() -> None:
     with_triton = device.type == "cuda" or args.interpret
     if device.type == "cpu" and args.interpret:
         os.environ["TRITON_INTERPRET"] = "1"  # before the Triton kernels are imported
-    from specdistill.spec.kernels import reference
+    from specdistill.decode.kernels import reference
 
     triton_impl = None
     if with_triton:
-        from specdistill.spec.kernels import triton_kernels as triton_impl
+        from specdistill.decode.kernels import triton_kernels as triton_impl
     batches = [int(b) for b in args.batches.split(",")]
     sizes = [int(n) for n in args.nodes.split(",")]
     repeats = 2 if device.type == "cpu" and args.interpret else args.repeats

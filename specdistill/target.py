@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from specdistill.config import EMBEDDED_TARGET, RANDOM_TARGET, ConfigError, RunConfig, TargetConfig
-from specdistill.spec.kv import ReplayCache
+from specdistill.decode.kv import ReplayCache
 
 log = logging.getLogger(__name__)
 

@@ -6,19 +6,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdistill.config import HeadConfig, TargetConfig
+from specdistill.decode.drafters import HeadProposer, LookupProposer
+from specdistill.decode.loop import GenerationStats, _record_hits, plain_generate, speculative_generate
+from specdistill.decode.tree import Tree
+from specdistill.decode.verify import GREEDY, Sampling, Verdict
 from specdistill.heads import build_head
-from specdistill.spec.decode import (
-    GREEDY,
-    GenerationStats,
-    HeadProposer,
-    LookupProposer,
-    Sampling,
-    _record_hits,
-    plain_generate,
-    speculative_generate,
-)
-from specdistill.spec.tree import Tree
-from specdistill.spec.verify import Verdict
 from specdistill.target import Target, TargetRunner, load_target
 
 TEXTS = ["Tell me a story about a dragon", "2+2=", "Write a poem about the sea, the sky and the wind"]

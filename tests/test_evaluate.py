@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from specdistill.config import AdviceConfig, EvalConfig, HeadConfig, RunConfig, TargetConfig
+from specdistill.decode import verify as verify_module
+from specdistill.decode.loop import GenerationStats
 from specdistill.evaluate import metrics
 from specdistill.evaluate import run as evaluation
 from specdistill.evaluate.advice import ModelCost, advise, expected_speedup, expected_tau, topks
 from specdistill.evaluate.bench import evaluated_indices, held_out_prompts, load_items, load_prompts
 from specdistill.evaluate.run import PARTIAL, Tally, evaluate, evaluate_head_tau
 from specdistill.heads import build_head, save_head
-from specdistill.spec import decode
-from specdistill.spec.decode import GenerationStats
 from specdistill.target import load_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -328,7 +328,7 @@ def test_a_wrong_verification_is_caught_by_the_lossless_check(smoke_head, tmp_pa
     ev = cfg.eval
     ev.bench, ev.limit, ev.max_new_tokens, ev.batch_size, ev.baselines = str(bench), 2, 8, 2, []
     ev.tree.depth, ev.tree.topk, ev.tree.num_draft_tokens = 3, 4, 12
-    flipped, verify = [], decode.verify_greedy
+    flipped, verify = [], verify_module.verify_greedy
 
     def flip_one_token(tree, logits):  # the first round's first committed token of row 0 turned into another
         verdict = verify(tree, logits)
@@ -337,7 +337,7 @@ def test_a_wrong_verification_is_caught_by_the_lossless_check(smoke_head, tmp_pa
             verdict.tokens[0, 0] = (verdict.tokens[0, 0] + 1) % target.vocab_size
         return verdict
 
-    monkeypatch.setattr(decode, "verify_greedy", flip_one_token)
+    monkeypatch.setattr(verify_module, "verify_greedy", flip_one_token)
     report = evaluate(cfg, target, head, tmp_path / "out")
     assert flipped and report["lossless_mismatches"] == 1
     assert sorted(r["matches_plain"] for r in report_rows(tmp_path / "out")) == [False, True]

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from specdistill.spec import kernels
-from specdistill.spec.kernels import reference
-from specdistill.spec.kernels import triton_kernels as triton_impl
-from specdistill.spec.tree import random_tree
+from specdistill.decode import kernels
+from specdistill.decode.kernels import reference
+from specdistill.decode.kernels import triton_kernels as triton_impl
+from specdistill.decode.tree import random_tree
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [(1, 1), (2, 7), (3, 33), (2, 70)]  # (batch, nodes): a lone root, < 32, just over 32, > 64

@@ -13,6 +13,9 @@ from transformers.modeling_layers import MtpLayer
 
 from specdistill.config import ConfigError, HeadConfig, RandomTargetConfig, TargetConfig
 from specdistill.data.generate import LocalGenerator
+from specdistill.decode import loop
+from specdistill.decode.drafters import Drafter, HeadProposer, LookupProposer
+from specdistill.decode.loop import plain_generate, speculative_generate
 from specdistill.export import common, export_mtp, native_mtp
 from specdistill.export.run import export_checkpoint
 from specdistill.heads import build_head, load_head, save_head
@@ -23,14 +26,6 @@ from specdistill.heads.native_mtp import (
     with_one_mtp_layer,
 )
 from specdistill.layout import RunLayout
-from specdistill.spec import decode
-from specdistill.spec.decode import (
-    Drafter,
-    HeadProposer,
-    LookupProposer,
-    plain_generate,
-    speculative_generate,
-)
 from specdistill.target import TargetRunner, load_target, save_hf_folder
 from specdistill.train.loss import LOSSES
 from specdistill.train.ttt import unroll_ttt
@@ -304,7 +299,7 @@ def test_a_replayed_row_decodes_and_accepts_as_the_kv_cache_does(monkeypatch):
     prompt = [[5, 17, 42, 99, 7, 300, 11, 5, 17, 42]]  # prompt lookup then accepts 0 to 3 drafts a round
 
     def generate(replayed: bool):
-        monkeypatch.setattr(decode, "keeps_recurrent_state", lambda model: replayed)
+        monkeypatch.setattr(loop, "keeps_recurrent_state", lambda model: replayed)
         return speculative_generate(TargetRunner(target), LookupProposer(3, 2), prompt, 40, target.eos_ids)
 
     kv, replayed = generate(False), generate(True)

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from specdistill.spec import kernels
-from specdistill.spec.tree import Tree, chain_tree, grow_dynamic_tree, static_tree
+from specdistill.decode import kernels
+from specdistill.decode.tree import Tree, chain_tree, grow_dynamic_tree, static_tree
 from specdistill.target import with_kv_cache
 
 VOCAB = 12

@@ -5,10 +5,10 @@ import dataclasses
 import pytest
 import torch
 
+from specdistill.decode.drafters import Drafter
 from specdistill.heads.eagle3 import Eagle3Config, Eagle3Head
 from specdistill.heads.layers import HeadArch, ttt_attention
 from specdistill.heads.mtp import MTPConfig, MTPHead
-from specdistill.spec.decode import Drafter
 from specdistill.train.loss import LOSSES
 from specdistill.train.teacher import Teacher, TeacherTargets
 from specdistill.train.ttt import TTTBatch, causal_mask, teacher_rows, trained_window, unroll_ttt

@@ -5,9 +5,9 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from specdistill.spec.kv import compact_cache, compact_kv
-from specdistill.spec.tree import Tree, grow_dynamic_tree, random_tree, static_tree
-from specdistill.spec.verify import verify_greedy, verify_rejection
+from specdistill.decode.kv import compact_cache, compact_kv
+from specdistill.decode.tree import Tree, grow_dynamic_tree, random_tree, static_tree
+from specdistill.decode.verify import verify_greedy, verify_rejection
 from specdistill.target import with_kv_cache
 
 V = 6

@@ -24,13 +24,15 @@ from tqdm import tqdm
 
 from specdistill.cache import ResultCache, content_key
 from specdistill.config import ENGINE_LAYOUTS, EngineConfig, EvalConfig, RunConfig
+from specdistill.decode.drafters import HeadProposer
+from specdistill.decode.loop import speculative_generate
+from specdistill.decode.verify import GREEDY
 from specdistill.engines import EXCEPTION_LINE, EngineError, engine_env, engine_python, log_tail
 from specdistill.evaluate.bench import conversation_ids, load_prompts, turn_batches
 from specdistill.export import export_eagle3, export_mtp
 from specdistill.export.common import CONFIG_FILE, DTYPES, WEIGHTS_FILE, read_config
 from specdistill.export.reader import detect_layout
 from specdistill.io import atomic_dir, write_json
-from specdistill.spec.decode import GREEDY, HeadProposer, speculative_generate
 from specdistill.target import Target, TargetRunner, computing_in, keeps_recurrent_state, served_dir
 
 log = logging.getLogger(__name__)

@@ -25,6 +25,10 @@ from tqdm import tqdm
 
 from specdistill.cache import ResultCache, content_key
 from specdistill.config import EvalConfig, RunConfig
+from specdistill.decode import kernels
+from specdistill.decode.drafters import HeadProposer, LookupProposer
+from specdistill.decode.loop import GenerationStats, plain_generate, speculative_generate
+from specdistill.decode.verify import GREEDY, Sampling
 from specdistill.distributed import gather_objects, rank_and_world
 from specdistill.evaluate import metrics
 from specdistill.evaluate.advice import advise, head_cost, target_cost
@@ -34,16 +38,6 @@ from specdistill.evaluate.report import write_report
 from specdistill.heads import HEAD_CONFIG, check_head_fits_target, load_head
 from specdistill.io import weights_fingerprint
 from specdistill.layout import RunLayout
-from specdistill.spec import kernels
-from specdistill.spec.decode import (
-    GREEDY,
-    GenerationStats,
-    HeadProposer,
-    LookupProposer,
-    Sampling,
-    plain_generate,
-    speculative_generate,
-)
 from specdistill.target import Target, TargetRunner
 
 log = logging.getLogger(__name__)

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specdistill.spec import kernels
-from specdistill.spec.tree import Tree
+from specdistill.decode import kernels
+from specdistill.decode.tree import Tree
 
 
 @dataclass
@@ -111,3 +111,28 @@ def verify_rejection(
             tree.tokens, next_token_BN, next_sibling_BN, p_BNV, q_BNV, coins_BN, final_u_B, tree.depth + 1
         )
     )
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How tokens are chosen: temperature 0 is greedy (verified greedily, lossless token for token)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def pick(self, logits_BV: Tensor, generator: torch.Generator | None) -> Tensor:
+        if self.temperature == 0:
+            return logits_BV.argmax(-1)
+        probs_BV = sampling_probs(logits_BV[:, None], self.temperature, self.top_k, self.top_p)[:, 0]
+        return torch.multinomial(probs_BV, 1, generator=generator)[:, 0]
+
+    def verify(self, tree: Tree, logits_BNV: Tensor, generator: torch.Generator | None) -> Verdict:
+        """Greedy at temperature 0; otherwise rejection sampling, multi-candidate when the tree was sampled."""
+        if self.temperature == 0:
+            return verify_greedy(tree, logits_BNV)
+        return verify_rejection(tree, logits_BNV, self.temperature, self.top_k, self.top_p, generator,
+                                draft_probs=tree.sampled)
+
+
+GREEDY = Sampling()

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from specdistill.spec.kernels.reference import empty_verdict
+from specdistill.decode.kernels.reference import empty_verdict
 
 VOCAB_BLOCK = 1024  # vocabulary columns per step of the rejection sampler's row passes
 # Inside kernels "no such node" is the literal -1 (reference.NONE): Triton reads only constexpr globals.

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from specdistill.spec import kernels
+from specdistill.decode import kernels
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from types import ModuleType
 
 from torch import Tensor
 
-from specdistill.spec.kernels import reference
+from specdistill.decode.kernels import reference
 
 BACKENDS = ("auto", "torch", "triton")
 _backend = "auto"
@@ -34,7 +34,7 @@ def get_backend() -> str:
 def _implementation(tensor: Tensor) -> ModuleType:
     if _backend == "torch" or (_backend == "auto" and not tensor.is_cuda):
         return reference
-    return importlib.import_module("specdistill.spec.kernels.triton_kernels")
+    return importlib.import_module("specdistill.decode.kernels.triton_kernels")
 
 
 def build_tree_tensors(parents_BN: Tensor) -> tuple[Tensor, Tensor, Tensor]:

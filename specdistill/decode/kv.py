@@ -18,8 +18,8 @@ import logging
 import torch
 from torch import Tensor
 
-from specdistill.spec import kernels
-from specdistill.spec.kernels import reference
+from specdistill.decode import kernels
+from specdistill.decode.kernels import reference
 
 log = logging.getLogger(__name__)
 
