@@ -9,7 +9,7 @@ PYTEST_MARK := $(if $(filter 1,$(SLOW)),-m "slow or not slow",)
 # over .venv's torch, for the interoperability test.
 INTEROP := .interop
 INTEROP_PACKAGES := speculators==0.9.0 transformers==5.19.0 loguru pydantic-settings openai jiter distro hs-connectors==0.9.0
-# A real serving engine (vLLM's CPU build) for the engine evaluation (eval/engine.py, eval.engine=vllm): its own
+# A real serving engine (vLLM's CPU build) for the engine evaluation (commands/engine.py, eval.engine=vllm): its own
 # environment, since it pins an older transformers; our code calls it through a worker script.
 ENGINE := .engine
 

@@ -35,7 +35,7 @@ step smoke_pipeline 200 $PY train.py +exp=smoke run_root="$OUT/runs"
 grep -h "tau\|speedup\|lossless" "$OUT/runs/smoke/eval/summary.md" 2>/dev/null | head -8
 # The smoke head served by the CUDA vLLM build (where this machine has one): its counters beside our chain's.
 if $PY -c "import vllm" 2>/dev/null; then
-    step engine_vllm 300 $PY eval/engine.py head="$OUT/runs/smoke/ckpt/best" target=random limit=2 max_new_tokens=16 \
+    step engine_vllm 300 $PY commands/engine.py head="$OUT/runs/smoke/ckpt/best" target=random limit=2 max_new_tokens=16 \
         eval.engine.python="$(command -v $PY)" out="$OUT/engine"
 else
     echo "=== engine_vllm: skipped, vllm is not importable here"

@@ -50,7 +50,7 @@ def test_two_process_capture_matches_one_process(tmp_path):
             "no",
             "--dynamo_backend",
             "no",
-            str(REPO / "data_prep" / "capture.py"),
+            str(REPO / "commands" / "capture.py"),
             *overrides,
         ],
         cwd=tmp_path,

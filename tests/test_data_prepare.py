@@ -248,7 +248,7 @@ def test_two_processes_regenerate_disjoint_shares_and_keep_every_row_once(tmp_pa
     rows = write_chats(tmp_path / "chats.jsonl", good=9, broken_at=5)
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--main_process_port", "29541", "data_prep/prepare.py", "+exp=smoke",
+           "--num_machines", "1", "--main_process_port", "29541", "commands/prepare.py", "+exp=smoke",
            "data.source=jsonl", f"data.path={tmp_path / 'chats.jsonl'}", "data.regenerate=true", f"out={out}",
            "data.generation.max_new_tokens=4", "data.generation.chunk_rows=2", "data.documents.share=0.25",
            "data.documents.min_chars=1"]

@@ -114,13 +114,13 @@ def test_command_line_tokenizes_a_local_file(tmp_path):
     source = tmp_path / "chats.jsonl"
     write_broken_file(source, good=40)
     root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, str(root / "data_prep" / "prepare.py"), "+exp=smoke", "data.source=jsonl",
+    done = subprocess.run([sys.executable, str(root / "commands" / "prepare.py"), "+exp=smoke", "data.source=jsonl",
                            f"data.path={source}", "data.regenerate=false", f"out={tmp_path / 'out'}"],
                           capture_output=True, text=True, cwd=root, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert len(load_prepared(tmp_path / "out").samples) == 40
     assert len(read_jsonl(tmp_path / "out" / "rejects.jsonl")) == len(BROKEN_LINES)
-    bad = subprocess.run([sys.executable, str(root / "data_prep" / "prepare.py"), "+exp=smoke", "data.source=jsonl",
+    bad = subprocess.run([sys.executable, str(root / "commands" / "prepare.py"), "+exp=smoke", "data.source=jsonl",
                           f"out={tmp_path / 'out2'}"], capture_output=True, text=True, cwd=root, timeout=300)
     assert bad.returncode == 2 and "data.path" in bad.stdout + bad.stderr
 

@@ -239,7 +239,7 @@ def test_eval_engine_script_on_a_smoke_head(tmp_path, engine_ready):
     assert proc.returncode == 0, proc.stderr[-3000:]
     export = export_eagle3(load_head(trained_head_dir(root / "smoke" / "ckpt")), "vllm", tmp_path / "export", "float32")
     out = tmp_path / "engine_eval"
-    proc = subprocess.run([sys.executable, "eval/engine.py", f"head={export}", "target=random", "limit=2",
+    proc = subprocess.run([sys.executable, "commands/engine.py", f"head={export}", "target=random", "limit=2",
                            "max_new_tokens=16", f"out={out}"], cwd=ROOT, capture_output=True, text=True,
                           timeout=1200, env=ENV)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -211,7 +211,7 @@ def test_acceptance_cli_writes_the_report_contract(smoke_head, tmp_path):
                                                        {"prompt": "Tell me a story"}]) + "\n")
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "eval/acceptance.py", f"head={head_dir}", "target=random", f"bench={bench}", "limit=3",
+        [sys.executable, "commands/evaluate.py", f"head={head_dir}", "target=random", f"bench={bench}", "limit=3",
          "max_new_tokens=8", f"out={out}", "wandb.mode=disabled", "eval.batch_size=2", "eval.max_turns=2",
          "eval.baselines=[prompt_lookup,chain]",
          "eval.tree.depth=3", "eval.tree.topk=4", "eval.tree.num_draft_tokens=12"],
@@ -344,6 +344,6 @@ def test_a_wrong_verification_is_caught_by_the_lossless_check(smoke_head, tmp_pa
 
 
 def test_acceptance_cli_names_a_missing_head(tmp_path):
-    proc = subprocess.run([sys.executable, "eval/acceptance.py", f"head={tmp_path / 'none'}", "target=random"],
+    proc = subprocess.run([sys.executable, "commands/evaluate.py", f"head={tmp_path / 'none'}", "target=random"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "none" in proc.stdout + proc.stderr

@@ -222,7 +222,7 @@ def test_the_evaluation_scripts_refuse_a_head_or_export_for_another_target(smoke
     export_eagle3(head, "vllm", tmp_path / "export", "float32")
     other = load_target(TargetConfig(name="random", random=RandomTargetConfig(num_hidden_layers=6),
                                      capture_layers=[1, 2, 4]))
-    for path in (tmp_path / "head", tmp_path / "export"):  # eval/acceptance.py and eval/engine.py load through it
+    for path in (tmp_path / "head", tmp_path / "export"):  # commands/evaluate.py and commands/engine.py load through it
         with pytest.raises(HeadMismatch, match="capture layers: the head's \\[1, 2, 3\\], the target's \\[1, 2, 4\\]"):
             load_any_head(path, other)
 

@@ -1,8 +1,8 @@
 """The exported head served by a real engine (vLLM): its own counters beside our chain drafter's.
 
-    python eval/engine.py head=runs/smollm2/ckpt/best engine=vllm limit=16 out=engine_eval
-    python eval/engine.py head=runs/smollm2/export/vllm eval.engine.num_speculative_tokens=2
-    python eval/engine.py head=<dir> eval.engine.dtype=bfloat16 eval.engine.python=<interpreter with vllm>
+    python commands/engine.py head=runs/smollm2/ckpt/best engine=vllm limit=16 out=engine_eval
+    python commands/engine.py head=runs/smollm2/export/vllm eval.engine.num_speculative_tokens=2
+    python commands/engine.py head=<dir> eval.engine.dtype=bfloat16 eval.engine.python=<interpreter with vllm>
 
 A checkpoint is exported in each layout of `eval.engine.layouts`; an export directory is served as it is.
 Writes `<out>/engine.json` (engine tau and ours, per-position counts, speeds, lossless check) and each engine
@@ -15,7 +15,7 @@ import hydra
 from omegaconf import DictConfig
 
 from specdistill.cli import exit_on_user_error, run_main
-from specdistill.evaluate.acceptance import head_override, main_engine, register
+from specdistill.evaluate.commands import head_override, main_engine, register
 
 register()
 

@@ -1,7 +1,7 @@
 """Capture the target's hidden states into the feature store: the capture stage of train.py, alone.
 
-python data_prep/capture.py +exp=smoke
-accelerate launch --multi_gpu --num_processes 8 data_prep/capture.py +exp=llama8b
+python commands/capture.py +exp=smoke
+accelerate launch --multi_gpu --num_processes 8 commands/capture.py +exp=llama8b
 """
 
 import logging

@@ -1,8 +1,8 @@
 """Real acceptance of a draft head: tau, speedup, lossless check, baselines and serving advice.
 
-    python eval/acceptance.py head=runs/smollm2/ckpt/final bench=spec_bench limit=16 max_new_tokens=128 out=eval_out
-    python eval/acceptance.py head=runs/smollm2/export/sglang bench=my.jsonl eval.batch_size=4 eval.temperature=0.7
-    python eval/acceptance.py head=<dir> target=random bench=hf:<dataset dir>:test:prompt
+    python commands/evaluate.py head=runs/smollm2/ckpt/final bench=spec_bench limit=16 max_new_tokens=128 out=eval_out
+    python commands/evaluate.py head=runs/smollm2/export/sglang bench=my.jsonl eval.batch_size=4 eval.temperature=0.7
+    python commands/evaluate.py head=<dir> target=random bench=hf:<dataset dir>:test:prompt
 
 A killed evaluation resumes: the same command re-uses the finished batches kept in `<out>/partial/`.
 """
@@ -13,8 +13,8 @@ import hydra
 from omegaconf import DictConfig
 
 from specdistill.cli import exit_on_user_error, run_main
-from specdistill.evaluate.acceptance import head_override, register
-from specdistill.evaluate.acceptance import main as evaluate_acceptance
+from specdistill.evaluate.commands import head_override, register
+from specdistill.evaluate.commands import main as evaluate_acceptance
 
 register()
 

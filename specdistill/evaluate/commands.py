@@ -1,4 +1,4 @@
-"""`eval/acceptance.py`: evaluate any head (a checkpoint or an export) on any target and benchmark.
+"""`commands/evaluate.py`: evaluate any head (a checkpoint or an export) on any target and benchmark.
 
 Its config (`conf/acceptance.yaml`) composes the same `target` and `eval` groups as `train.py`;
 the top-level `head_dir` (given as `head=<dir>` on the command line: see `head_override`), `bench`, `limit`, `max_new_tokens` and `out` are the everyday knobs.
@@ -36,7 +36,7 @@ class AcceptanceConfig:
     limit: int = 16
     max_new_tokens: int = 128
     out: str = "acceptance"
-    engine: str | None = None  # vllm: serve the head in the engine too (eval.engine.name); eval/engine.py sets it
+    engine: str | None = None  # vllm: serve the head in the engine too (eval.engine.name); commands/engine.py sets it
     seed: int = 0
     target: TargetConfig = field(default_factory=TargetConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -89,7 +89,7 @@ def _evaluate(cfg: AcceptanceConfig, run: RunConfig) -> dict | None:
 
 
 def main_engine(dict_cfg: DictConfig) -> dict:
-    """`eval/engine.py`: only the engine evaluation. A checkpoint is exported in each layout the engine loads;
+    """`commands/engine.py`: only the engine evaluation. A checkpoint is exported in each layout the engine loads;
     an export is served as it is (a speculators export with its verifier pointed at the local target)."""
     cfg, run = to_run_config(dict_cfg)
     check_capture_layers(run.target, resolve_source(run.target))

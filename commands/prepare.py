@@ -1,7 +1,7 @@
 """Run the prepare stage alone, with the same Hydra config as `train.py`:
 
-    python data_prep/prepare.py                                   # self-synthesis on the embedded target
-    python data_prep/prepare.py data.source=jsonl data.path=chats.jsonl data.regenerate=false out=data/
+    python commands/prepare.py                                   # self-synthesis on the embedded target
+    python commands/prepare.py data.source=jsonl data.path=chats.jsonl data.regenerate=false out=data/
 """
 
 import logging
