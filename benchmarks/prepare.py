@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from specdistill.config import TargetConfig
+from specdistill.data.conversations import generation_model
 from specdistill.data.generate import LocalGenerator
-from specdistill.data.prepare import generation_model
 from specdistill.data.template import ChatFormat
 from specdistill.data.vllm_generate import VllmGenerator
 from specdistill.engines import EngineNotInstalled, engine_python

@@ -32,13 +32,7 @@ from specdistill.io import write_json
 from specdistill.layout import RunLayout
 from specdistill.redact import redacted
 from specdistill.store import entry_lock
-from specdistill.target import (
-    Target,
-    bf16_is_native,
-    check_against_target,
-    load_target,
-    resolve_source,
-)
+from specdistill.target import Target, bf16_is_native, check_against_target, load_target, resolve_source
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,8 @@ from specdistill.capture.store import FeatureStore
 from specdistill.config import TargetConfig
 from specdistill.layout import RunLayout
 from specdistill.pipeline import LazyTarget
-from specdistill.target import Target, TargetRunner, load_target
+from specdistill.target import Target, load_target
+from specdistill.target_runner import TargetRunner
 
 FAMILIES = ["Llama", "Qwen2", "Qwen3", "Mistral", "Gemma"]
 LAYER_IDS = (1, 3, 4)

@@ -11,13 +11,8 @@ import pytest
 import torch
 
 from specdistill.capture import run as capture_run
-from specdistill.capture.store import (
-    FeatureStore,
-    FeatureStoreError,
-    ShardWriter,
-    length_batches,
-    shuffled_order,
-)
+from specdistill.capture.shard_writer import ShardWriter
+from specdistill.capture.store import FeatureStore, FeatureStoreError, length_batches, shuffled_order
 from specdistill.config import CaptureConfig, RandomTargetConfig, RunConfig, TargetConfig
 from specdistill.layout import RunLayout
 from specdistill.pipeline import LazyTarget

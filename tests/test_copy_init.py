@@ -11,7 +11,8 @@ from specdistill.capture.online import capture_batch
 from specdistill.config import HeadConfig
 from specdistill.heads import build_head
 from specdistill.heads.copy_init import init_copy_attention
-from specdistill.target import Target, TargetRunner
+from specdistill.target import Target
+from specdistill.target_runner import TargetRunner
 
 VOCAB, HALF = 256, 48
 

@@ -15,8 +15,9 @@ from hydra import compose, initialize_config_dir
 import specdistill.target
 from specdistill.cache import ResultCache
 from specdistill.config import register, to_run_config
+from specdistill.data.conversations import SourceConversations, generation_model
 from specdistill.data.generate import LocalGenerator
-from specdistill.data.prepare import SourceConversations, generation_model, load_prepared, run
+from specdistill.data.prepare import load_prepared, run
 from specdistill.data.regenerate import row_key, sampling_params
 from specdistill.data.template import ChatFormat
 from specdistill.layout import RunLayout

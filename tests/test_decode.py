@@ -11,7 +11,8 @@ from specdistill.decode.loop import GenerationStats, _record_hits, plain_generat
 from specdistill.decode.tree import Tree
 from specdistill.decode.verify import GREEDY, Sampling, Verdict
 from specdistill.heads import build_head
-from specdistill.target import Target, TargetRunner, load_target
+from specdistill.target import Target, load_target
+from specdistill.target_runner import TargetRunner
 
 TEXTS = ["Tell me a story about a dragon", "2+2=", "Write a poem about the sea, the sky and the wind"]
 MAX_NEW = 16

@@ -26,7 +26,8 @@ from specdistill.heads.native_mtp import (
     with_one_mtp_layer,
 )
 from specdistill.layout import RunLayout
-from specdistill.target import TargetRunner, load_target, save_hf_folder
+from specdistill.target import load_target, save_hf_folder
+from specdistill.target_runner import TargetRunner
 from specdistill.train.loss import LOSSES
 from specdistill.train.ttt import unroll_ttt
 from tests.test_ttt import random_batch, random_teacher

@@ -11,7 +11,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from specdistill.decode import kernels
 from specdistill.decode.tree import Tree, chain_tree, grow_dynamic_tree, static_tree
-from specdistill.target import with_kv_cache
+from specdistill.target_runner import with_kv_cache
 
 VOCAB = 12
 

@@ -8,7 +8,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from specdistill.decode.kv import compact_cache, compact_kv
 from specdistill.decode.tree import Tree, grow_dynamic_tree, random_tree, static_tree
 from specdistill.decode.verify import verify_greedy, verify_rejection
-from specdistill.target import with_kv_cache
+from specdistill.target_runner import with_kv_cache
 
 V = 6
 DRAWS = 20_000

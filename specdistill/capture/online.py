@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from specdistill.target import TargetRunner
+from specdistill.target_runner import TargetRunner
 
 TEACHERS = ("last", "topk")
 

@@ -22,22 +22,22 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from specdistill.capture.online import capture_batch
+from specdistill.capture.shard_writer import ShardWriter, write_manifest
 from specdistill.capture.store import (
     MANIFEST,
     STORE_DTYPES,
     FeatureStore,
     FeatureStoreError,
-    ShardWriter,
     mismatch,
     padded_batches,
     plan_shards,
-    write_manifest,
 )
 from specdistill.config import RunConfig
 from specdistill.distributed import join_launch
 from specdistill.io import weights_fingerprint
 from specdistill.layout import RunLayout
-from specdistill.target import Target, TargetRunner, computing_in, resolve_dtype
+from specdistill.target import Target, computing_in, resolve_dtype
+from specdistill.target_runner import TargetRunner
 
 log = logging.getLogger(__name__)
 

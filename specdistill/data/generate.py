@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from specdistill.target import require_kv_cache, with_kv_cache
+from specdistill.target_runner import require_kv_cache, with_kv_cache
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ capture and train:
 
 Generated conversations are cached by content in the store's `cache/` (`RunLayout.cache_dir`), shared by every
 entry: a killed run resumes there, and data made with other settings reuses every answer already generated.
-Nothing is held whole in memory: sources stream one window at a time (`SourceConversations`), rows go to
+Nothing is held whole in memory: sources stream one window at a time (`conversations.py`), rows go to
 Arrow files on disk, and the statistics are gathered batch by batch.
 """
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import random
 import shutil
 import time
 from collections.abc import Iterator
@@ -36,31 +35,20 @@ import torch
 
 from specdistill.cache import ResultCache
 from specdistill.config import ConfigError, RunConfig
-from specdistill.data.decontaminate import BenchmarkSpans, decontaminated_against
-from specdistill.data.documents import answers_needed, document_tasks, documents_wanted
-from specdistill.data.generate import LocalGenerator
-from specdistill.data.openai_client import OpenAIBackend
-from specdistill.data.regenerate import (
-    LocalBackend,
-    regenerate_rows,
-    row_key,
-    sampling_params,
-)
+from specdistill.data.conversations import SourceConversations, local_generator
+from specdistill.data.decontaminate import decontaminated_against
 from specdistill.data.rejects import RejectLog, RowError, TooManyRejects
-from specdistill.data.sources import SourceRow, read_conversations, source_paths
+from specdistill.data.sources import source_paths
 from specdistill.data.synth import synthesize
 from specdistill.data.template import ChatFormat
-from specdistill.data.vllm_generate import VllmGenerator
 from specdistill.data.vocab import DraftVocab, build_draft_vocab, count_tokens
-from specdistill.distributed import gather_objects, join_launch
-from specdistill.engines import engine_python
+from specdistill.distributed import join_launch
 from specdistill.io import atomic_dir, write_json
 from specdistill.layout import RunLayout
-from specdistill.target import Target, check_vocab_fits, computing_in, resolve_dtype, served_dir
+from specdistill.target import Target, check_vocab_fits
 
 log = logging.getLogger(__name__)
 
-MAX_CHARS_PER_TOKEN = 64  # more than any real token spans (runs of whitespace aside)
 CONVERSATION_FEATURES = datasets.Features({"messages": datasets.Value("string"),
                                            "provenance": datasets.Value("string")})
 SAMPLE_FEATURES = datasets.Features({
@@ -97,12 +85,6 @@ def _completed_summary(data_dir: Path, want: str) -> dict | None:
     return summary
 
 
-def generation_model(target: Target, dtype_name: str) -> torch.nn.Module:
-    """The target in the generation dtype: a copy when it differs (native bf16 decodes ~3x faster on CPU)."""
-    model = computing_in(target, dtype_name).model
-    log.info("regeneration runs in %s", str(next(model.parameters()).dtype).removeprefix("torch."))
-    return model
-
 
 def run(cfg: RunConfig, layout: RunLayout, target) -> dict:
     """Build (or find complete) the prepared data in `layout.data_dir`; returns the summary."""
@@ -125,7 +107,7 @@ def run(cfg: RunConfig, layout: RunLayout, target) -> dict:
     if cfg.data.source == "synth":
         if rank != 0:  # synthesis is one sampling stream; the other ranks wait for its result
             return _wait_for_rank0(data_dir)
-        synthesized, collect_rejects = synthesize(_local_generator(cfg, tgt, chat, cfg.data.synth.batch_size), chat,
+        synthesized, collect_rejects = synthesize(local_generator(cfg, tgt, chat, cfg.data.synth.batch_size), chat,
                                                   cfg.data.synth, cfg.data.documents, cfg.data.generation, cache,
                                                   cfg.target.name, cfg.seed)
         stream, counted = iter(synthesized), RejectLog()  # synthesis filters are not bad input
@@ -197,21 +179,6 @@ def _wait_for_rank0(data_dir: Path) -> dict:
     return json.loads((data_dir / "summary.json").read_text())
 
 
-def _local_generator(cfg: RunConfig, tgt: Target, chat: ChatFormat, batch_size: int) -> LocalGenerator:
-    return LocalGenerator(generation_model(tgt, cfg.data.generation.dtype), tgt.tokenizer.pad_token_id,
-                          chat.stop_token_ids(), batch_size, num_tokens=len(tgt.tokenizer))
-
-
-def _vllm_generator(cfg: RunConfig, tgt: Target, chat: ChatFormat, rank: int, log_dir: Path) -> VllmGenerator:
-    """vLLM serving the target's folder in the generation dtype, on this rank's device, stopping where our decode
-    loop stops. The engine's interpreter is the evaluation's (`eval.engine.python`, else `.engine/`)."""
-    device = next(tgt.model.parameters()).device
-    python = engine_python("vllm", cfg.eval.engine.python, "data.generation.backend=vllm")
-    return VllmGenerator(served_dir(cfg.target), python, resolve_dtype(cfg.data.generation.dtype, device),
-                         tgt.config.max_position_embeddings, chat.stop_token_ids(), cfg.data.generation.batch_size,
-                         len(tgt.tokenizer), tgt.vocab_size, device,
-                         log_dir / f"regenerate.rank{rank}.log")
-
 
 def _conversation_rows(stream: Iterator[dict]) -> Iterator[dict]:
     """{messages, provenance} dicts -> the JSON-string rows of the Arrow file `from_generator` writes."""
@@ -219,134 +186,6 @@ def _conversation_rows(stream: Iterator[dict]) -> Iterator[dict]:
         yield {"messages": json.dumps(c["messages"], ensure_ascii=False),
                "provenance": json.dumps(c["provenance"], ensure_ascii=False)}
 
-
-class SourceConversations:
-    """The configured sources as usable conversations, in source order, read one window at a time.
-
-    With `data.regenerate`, a window is `chunk_rows x world` rows: each rank regenerates its share into the
-    conversation cache, the ranks meet at a barrier, and rank 0 reads the window's answers back from the
-    cache (every rank iterates; only rank 0's iteration yields). Only one window is ever held in memory.
-    `rejects` and `total` (rows read) are complete once the iteration ends."""
-
-    def __init__(self, cfg: RunConfig, tgt: Target, chat: ChatFormat, cache: ResultCache, rank: int = 0,
-                 world: int = 1, engine_log_dir: Path | None = None):
-        """engine_log_dir: where the vLLM backend's worker logs (data.generation.backend=vllm)."""
-        self.cfg, self.cache, self.rank, self.world = cfg, cache, rank, world
-        self.rejects, self.total = RejectLog(), 0
-        self.regenerated = 0  # conversations yielded (rank 0)
-        self.long_answers: list[tuple[str, str]] = []  # (position, cache key) of those with a document-long answer
-        self.paths = source_paths(cfg.data)  # a missing package fails here, before any row is read
-        bench = decontaminated_against(cfg)
-        self.benchmark = None if bench is None else BenchmarkSpans(bench, tgt.tokenizer, cfg.data.decontaminate_ngram)
-        generation = cfg.data.generation
-        self.params = sampling_params(generation, generation.backend)
-        self.engine: VllmGenerator | None = None  # stopped once the sources are read
-        if not cfg.data.regenerate:
-            self.backend = None
-        elif generation.backend == "openai":
-            self.backend = OpenAIBackend(generation, cfg.target.name)
-        else:
-            if generation.backend == "vllm":
-                self.engine = _vllm_generator(cfg, tgt, chat, rank, engine_log_dir or Path("."))
-            generator = self.engine or _local_generator(cfg, tgt, chat, generation.batch_size)
-            self.backend = LocalBackend(generator, chat, generation, cfg.seed, max_prompt_tokens=cfg.data.max_length)
-
-    def __iter__(self) -> Iterator[dict]:
-        data = self.cfg.data
-        rows = read_conversations(self.paths, data.format, data.split, data.streaming, data.limit, data.max_turns)
-        try:
-            yield from self._windows(rows, check=True)
-            if data.documents.share > 0 and not data.regenerate:
-                log.info("data.regenerate=false: no document tasks (data.documents.share), which need the target's "
-                         "answers")
-            elif data.documents.share > 0:
-                yield from self._windows(iter(self._document_rows()), check=False)
-        finally:
-            if self.engine is not None:
-                self.engine.close()  # its memory is the next stage's
-
-    def _windows(self, rows: Iterator[SourceRow], check: bool) -> Iterator[dict]:
-        """`rows` one window at a time, the bad ones rejected (`check`: the source rows' checks), the rest
-        regenerated or passed on as they are."""
-        data = self.cfg.data
-        window_rows = data.generation.chunk_rows * (self.world if data.regenerate else 1)
-        while window := list(itertools.islice(rows, window_rows)):
-            self.total += len(window)
-            good = []
-            for item in window:
-                if check and item.error is None and data.regenerate:
-                    item.error = prompt_too_long(item.row["messages"], data.max_length)
-                if check and item.error is None and self.benchmark is not None:
-                    item.error = self.benchmark.overlap(item.row["messages"], answers=not data.regenerate)
-                if item.error is not None:
-                    self.rejects.add(item.source, item.position, item.error)
-                else:
-                    good.append(item)
-            yield from (self._regenerated(good) if data.regenerate else map(self._as_is, good))
-
-    def _document_rows(self) -> list[SourceRow]:
-        """Document tasks over the regenerated answers (`documents.document_tasks`), as rows every rank has:
-        rank 0, which read every regenerated conversation, picks the answers and shares the rows."""
-        docs, rows = self.cfg.data.documents, None
-        if self.rank == 0:
-            wanted = documents_wanted(docs, self.regenerated)
-            picked = random.Random(self.cfg.seed).sample(self.long_answers,
-                                                         min(len(self.long_answers), answers_needed(docs, wanted)))
-            answers = [(position, self._long_answer(key)) for position, key in picked]
-            rows = [SourceRow("documents", position, {"messages": [{"role": "user", "content": text}],
-                                                      "provenance": provenance})
-                    for position, text, provenance in document_tasks(answers, wanted, docs, self.cfg.seed)]
-            log.info("%d document tasks over %d of the %d regenerated answers of %d characters or more", len(rows),
-                     len(answers), len(self.long_answers), docs.min_chars)
-        return gather_objects(rows)[0]
-
-    def _long_answer(self, key: str) -> str:
-        """The first answer of the cached conversation `key` that is long enough to be a document."""
-        messages = self.cache.get(key)["messages"]
-        return next(m["content"] for m in messages
-                    if m["role"] == "assistant" and len(m["content"]) >= self.cfg.data.documents.min_chars)
-
-    def _provenance(self, row: SourceRow, regenerated: bool) -> dict:
-        provenance = {"source": row.source, "row": row.position, "target": self.cfg.target.name,
-                      "regenerated": regenerated, **row.row.get("provenance", {})}
-        return {**provenance, "sampling": self.params} if regenerated else provenance
-
-    def _as_is(self, row: SourceRow) -> dict:
-        return {"messages": row.row["messages"], "provenance": self._provenance(row, False)}
-
-    def _regenerated(self, good: list[SourceRow]) -> Iterator[dict]:
-        target_name, chunk_rows = self.cfg.target.name, self.cfg.data.generation.chunk_rows
-        failed = regenerate_rows(good, self.backend, self.cache, self.params, target_name, chunk_rows, self.rank,
-                                 self.world)
-        if self.world > 1:
-            torch.distributed.barrier()  # every rank's share of the window is in the cache
-            self.cache.reload()
-        if self.rank != 0:
-            return
-        failures = {(r["source"], r["position"]): r for r in failed.rows}
-        for row in good:
-            key = row_key(row.row["messages"], self.params, target_name)
-            entry = self.cache.get(key)
-            if entry is None:
-                known = failures.get((row.source, row.position))
-                self.rejects.add(row.source, row.position, RowError(known["reason"], known["detail"]) if known else
-                                 RowError("regeneration_failed", "no regenerated answer (see the other ranks' logs)"))
-                continue
-            self.regenerated += 1
-            if any(m["role"] == "assistant" and len(m["content"]) >= self.cfg.data.documents.min_chars
-                   for m in entry["messages"]):
-                self.long_answers.append((row.position, key))
-            yield {"messages": entry["messages"], "provenance": self._provenance(row, True)}
-
-
-def prompt_too_long(messages: list[dict], max_length: int) -> RowError | None:
-    """A RowError when the turns the target reads (system and user; the answers are regenerated) hold more
-    characters than `max_length` tokens can: such a row is rejected before it is tokenized or generated."""
-    chars = sum(len(m["content"]) for m in messages if m["role"] != "assistant")
-    if chars > max_length * MAX_CHARS_PER_TOKEN:
-        return RowError("overlong_prompt", f"the prompt turns hold {chars} characters, more than data.max_length="
-                                           f"{max_length} tokens can (at most {MAX_CHARS_PER_TOKEN} characters each)")
-    return None
 
 
 def _tokenize_row(row: dict, chat: ChatFormat, max_length: int, overlong: str, last_turn_only: bool) -> dict:

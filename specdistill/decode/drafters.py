@@ -20,7 +20,7 @@ from torch import Tensor
 from specdistill.decode.tree import Tree, chain_tree, grow_dynamic_tree, static_tree
 from specdistill.decode.verify import Sampling, Verdict
 from specdistill.heads.layers import cached_attention
-from specdistill.target import TargetOutput
+from specdistill.target_runner import TargetOutput
 
 HEAD_SHAPES = ("tree", "chain", "sampled")
 

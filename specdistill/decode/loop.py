@@ -30,12 +30,7 @@ from transformers import DynamicCache
 from specdistill.decode.kv import ReplayCache, compact_cache
 from specdistill.decode.tree import Tree
 from specdistill.decode.verify import GREEDY, Sampling, Verdict
-from specdistill.target import (
-    TargetRunner,
-    keeps_recurrent_state,
-    require_kv_cache,
-    with_kv_cache,
-)
+from specdistill.target_runner import TargetRunner, keeps_recurrent_state, require_kv_cache, with_kv_cache
 
 
 @dataclass

@@ -290,21 +290,34 @@ def grow_dynamic_tree(
     parents = torch.cat([zeros_B1 - 1, parent_nodes_BM], 1)
     depths = torch.cat([zeros_B1, torch.cat(cand_depths, 1).gather(1, kept_BM)], 1)
     scores = torch.cat([zeros_B1.float(), all_scores_BX.gather(1, kept_BM)], 1)
+    child_ranked, child_probs = _children_of_kept_nodes(
+        node_of_BX, num_nodes, tokens_B1K[:, 0], root_probs_BV if keep_probs else None, expanded_ids,
+        expanded_ranked, expanded_probs)
+    log.debug("dynamic tree: %d rows, %d nodes, depth %d", B, num_nodes + 1, int(depths.max()))
+    return Tree(tokens, parents, depths, scores, child_probs, child_ranked=child_ranked)
+
+
+def _children_of_kept_nodes(node_of_BX: Tensor, num_nodes: int, root_ranked_BK: Tensor, root_probs_BV: Tensor | None,
+                            expanded_ids: list[Tensor], expanded_ranked: list[Tensor],
+                            expanded_probs: list[Tensor]) -> tuple[Tensor, Tensor | None]:
+    """Per kept node of a dynamic tree, the drafter's ranked children (and, with `root_probs_BV`, its whole
+    distribution) where the node was expanded; -1 (zeros) where it was not."""
+    B, topk = root_ranked_BK.shape
+    device = root_ranked_BK.device
     child_ranked = torch.full((B, num_nodes + 1, topk), -1, dtype=torch.long, device=device)
-    child_ranked[:, 0] = tokens_B1K[:, 0]
+    child_ranked[:, 0] = root_ranked_BK
     child_probs = None
-    if keep_probs:
-        child_probs = torch.zeros((B, num_nodes + 1, V), device=device)
+    if root_probs_BV is not None:
+        child_probs = torch.zeros((B, num_nodes + 1, root_probs_BV.shape[-1]), device=device)
         child_probs[:, 0] = root_probs_BV
     if expanded_ids:
         nodes_BE = node_of_BX.gather(1, torch.cat(expanded_ids, 1))  # E = expanded candidates
         kept_BE = nodes_BE >= 0
         rows_BE = torch.arange(B, device=device)[:, None].expand_as(nodes_BE)
         child_ranked[rows_BE[kept_BE], nodes_BE[kept_BE]] = torch.cat(expanded_ranked, 1)[kept_BE]
-        if keep_probs:
+        if child_probs is not None:
             child_probs[rows_BE[kept_BE], nodes_BE[kept_BE]] = torch.cat(expanded_probs, 1)[kept_BE]
-    log.debug("dynamic tree: %d rows, %d nodes, depth %d", B, num_nodes + 1, int(depths.max()))
-    return Tree(tokens, parents, depths, scores, child_probs, child_ranked=child_ranked)
+    return child_ranked, child_probs
 
 
 def random_tree(

@@ -33,7 +33,8 @@ from specdistill.export import export_eagle3, export_mtp
 from specdistill.export.common import CONFIG_FILE, DTYPES, WEIGHTS_FILE, read_config
 from specdistill.export.reader import detect_layout
 from specdistill.io import atomic_dir, write_json
-from specdistill.target import Target, TargetRunner, computing_in, keeps_recurrent_state, served_dir
+from specdistill.target import Target, computing_in, served_dir
+from specdistill.target_runner import TargetRunner, keeps_recurrent_state
 
 log = logging.getLogger(__name__)
 WORKERS = {"vllm": Path(__file__).with_name("vllm_worker.py")}

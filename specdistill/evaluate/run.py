@@ -38,7 +38,8 @@ from specdistill.evaluate.report import write_report
 from specdistill.heads import HEAD_CONFIG, check_head_fits_target, load_head
 from specdistill.io import weights_fingerprint
 from specdistill.layout import RunLayout
-from specdistill.target import Target, TargetRunner
+from specdistill.target import Target
+from specdistill.target_runner import TargetRunner
 
 log = logging.getLogger(__name__)
 MAIN = "head tree"

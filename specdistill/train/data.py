@@ -23,7 +23,8 @@ import torch
 from specdistill.capture.online import capture_batch
 from specdistill.capture.run import load_samples, right_padded
 from specdistill.capture.store import FeatureStore
-from specdistill.target import Target, TargetRunner
+from specdistill.target import Target
+from specdistill.target_runner import TargetRunner
 from specdistill.train.schedule import bucketed_batches
 from specdistill.train.ttt import TTTBatch
 

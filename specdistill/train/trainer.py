@@ -33,7 +33,8 @@ from specdistill.heads.widen import widened
 from specdistill.io import write_json
 from specdistill.layout import RunLayout
 from specdistill.redact import redacted
-from specdistill.target import Target, TargetRunner, computing_in
+from specdistill.target import Target, computing_in
+from specdistill.target_runner import TargetRunner
 from specdistill.train.accelerator import all_ranks_true, make_accelerator
 from specdistill.train.checkpoint import CheckpointManager
 from specdistill.train.curves import plot_history
