@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 
 from specdistill.config import EngineConfig, EvalConfig, RandomTargetConfig, RunConfig, TargetConfig
 from specdistill.evaluate.engine import evaluate_in_engine
-from specdistill.heads import load_head
+from specdistill.heads.checkpoint import load_head
 from specdistill.heads.native_mtp import MTP_FAMILIES, family_name, layer_prefixes
 from specdistill.io import save_tensors, write_table
 from specdistill.layout import trained_head_dir

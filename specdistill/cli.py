@@ -21,7 +21,7 @@ from specdistill.engines import EngineNotInstalled
 from specdistill.evaluate.bench import BenchError
 from specdistill.export.common import ExportError
 from specdistill.fingerprint import StaleRun
-from specdistill.heads import HeadMismatch
+from specdistill.heads.checkpoint import HeadMismatch
 from specdistill.io import CorruptFile, JsonlError
 from specdistill.redact import redact_urls
 from specdistill.target import TargetNotFound

@@ -32,7 +32,7 @@ from pathlib import Path
 from specdistill.cache import content_key
 from specdistill.config import ConfigError, RunConfig
 from specdistill.data.decontaminate import decontaminated_against
-from specdistill.heads import HEAD_CONFIG
+from specdistill.heads.checkpoint import HEAD_CONFIG
 from specdistill.io import CorruptFile, verify_checksums
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from specdistill.distributed import (
     wait_for_everyone,
 )
 from specdistill.fingerprint import check_head_is_current
-from specdistill.heads import check_head_fits_target, load_head
+from specdistill.heads.checkpoint import check_head_fits_target, load_head
 from specdistill.io import write_json
 from specdistill.layout import RunLayout
 from specdistill.redact import redacted

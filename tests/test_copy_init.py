@@ -9,7 +9,7 @@ import transformers
 
 from specdistill.capture.online import capture_batch
 from specdistill.config import HeadConfig
-from specdistill.heads import build_head
+from specdistill.heads.build import build_head
 from specdistill.heads.copy_init import init_copy_attention
 from specdistill.target import Target
 from specdistill.target_runner import TargetRunner

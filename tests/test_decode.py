@@ -10,7 +10,7 @@ from specdistill.decode.drafters import HeadProposer, LookupProposer
 from specdistill.decode.loop import GenerationStats, _record_hits, plain_generate, speculative_generate
 from specdistill.decode.tree import Tree
 from specdistill.decode.verify import GREEDY, Sampling, Verdict
-from specdistill.heads import build_head
+from specdistill.heads.build import build_head
 from specdistill.target import Target, load_target
 from specdistill.target_runner import TargetRunner
 

@@ -28,7 +28,7 @@ from specdistill.evaluate.engine import (
 )
 from specdistill.evaluate.report import engine_markdown
 from specdistill.export import common, export_eagle3
-from specdistill.heads import load_head
+from specdistill.heads.checkpoint import load_head
 from specdistill.layout import trained_head_dir
 from specdistill.target import load_target, served_dir
 

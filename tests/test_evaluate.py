@@ -18,7 +18,8 @@ from specdistill.evaluate import run as evaluation
 from specdistill.evaluate.advice import ModelCost, advise, expected_speedup, expected_tau, topks
 from specdistill.evaluate.bench import evaluated_indices, held_out_prompts, load_items, load_prompts
 from specdistill.evaluate.run import PARTIAL, Tally, evaluate, evaluate_head_tau
-from specdistill.heads import build_head, save_head
+from specdistill.heads.build import build_head
+from specdistill.heads.checkpoint import save_head
 from specdistill.target import load_target
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,7 +18,7 @@ from transformers import LlamaConfig
 from specdistill.config import RunConfig
 from specdistill.export import EAGLE3_LAYOUTS, common, export_eagle3, run
 from specdistill.export.reader import read_head
-from specdistill.heads import save_head
+from specdistill.heads.checkpoint import save_head
 from specdistill.heads.eagle3 import Eagle3Config, Eagle3Head
 from specdistill.heads.layers import HeadArch
 from specdistill.layout import RunLayout

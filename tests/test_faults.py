@@ -21,13 +21,8 @@ from specdistill.evaluate.bench import BenchError, load_items
 from specdistill.evaluate.run import load_any_head
 from specdistill.export import export_eagle3
 from specdistill.fingerprint import StaleRun, check_head_is_current
-from specdistill.heads import (
-    HeadMismatch,
-    build_head,
-    check_head_fits_target,
-    load_head,
-    save_head,
-)
+from specdistill.heads.build import build_head
+from specdistill.heads.checkpoint import HeadMismatch, check_head_fits_target, load_head, save_head
 from specdistill.io import CorruptFile, JsonlError, write_checksums
 from specdistill.layout import RunLayout, trained_head_dir
 from specdistill.target import load_target

@@ -7,7 +7,7 @@ import transformers
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from specdistill.config import HeadConfig
-from specdistill.heads import arch_from_target
+from specdistill.heads.build import arch_from_target
 from specdistill.heads.layers import Rotary
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,

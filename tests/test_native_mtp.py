@@ -18,7 +18,8 @@ from specdistill.decode.drafters import Drafter, HeadProposer, LookupProposer
 from specdistill.decode.loop import plain_generate, speculative_generate
 from specdistill.export import common, export_mtp, native_mtp
 from specdistill.export.run import export_checkpoint
-from specdistill.heads import build_head, load_head, save_head
+from specdistill.heads.build import build_head
+from specdistill.heads.checkpoint import load_head, save_head
 from specdistill.heads.native_mtp import (
     MTP_FAMILIES,
     family_classes,

@@ -12,7 +12,7 @@ from test_train import ENV, ROOT, compose_cfg
 
 from specdistill.evaluate.bench import held_out_prompts
 from specdistill.evaluate.run import PARTIAL, evaluate_head_tau
-from specdistill.heads import load_head
+from specdistill.heads.checkpoint import load_head
 from specdistill.target import load_target
 
 pytestmark = pytest.mark.slow  # each launch starts two ranks that import DeepSpeed: ~15-40 s

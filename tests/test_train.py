@@ -19,7 +19,8 @@ from specdistill.capture.store import FeatureStore
 from specdistill.config import ConfigError, register, to_run_config
 from specdistill.data.vocab import DraftVocab, build_draft_vocab
 from specdistill.evaluate.bench import load_prompts
-from specdistill.heads import build_head, load_head
+from specdistill.heads.build import build_head
+from specdistill.heads.checkpoint import load_head
 from specdistill.heads.copy_init import copy_query_heads, fast_dims
 from specdistill.layout import RunLayout
 from specdistill.target import load_target

@@ -8,7 +8,8 @@ import torch
 from specdistill.config import HeadConfig, TargetConfig
 from specdistill.data.vocab import build_draft_vocab
 from specdistill.export.common import check_eagle3
-from specdistill.heads import build_head, load_head, save_head
+from specdistill.heads.build import build_head
+from specdistill.heads.checkpoint import load_head, save_head
 from specdistill.heads.widen import widened
 from specdistill.target import load_target
 

@@ -23,7 +23,7 @@ from specdistill.evaluate.engine import (
     served_exports,
 )
 from specdistill.evaluate.run import evaluate, load_any_head
-from specdistill.heads import HEAD_CONFIG
+from specdistill.heads.checkpoint import HEAD_CONFIG
 from specdistill.target import check_capture_layers, load_target, resolve_source, served_dir
 
 log = logging.getLogger(__name__)

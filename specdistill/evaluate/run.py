@@ -35,7 +35,7 @@ from specdistill.evaluate.advice import advise, head_cost, target_cost
 from specdistill.evaluate.bench import conversation_ids, load_prompts, turn_batches
 from specdistill.evaluate.engine import engine_digest, evaluate_in_engine
 from specdistill.evaluate.report import write_report
-from specdistill.heads import HEAD_CONFIG, check_head_fits_target, load_head
+from specdistill.heads.checkpoint import HEAD_CONFIG, check_head_fits_target, load_head
 from specdistill.io import weights_fingerprint
 from specdistill.layout import RunLayout
 from specdistill.target import Target

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from specdistill.config import EMBEDDED_TARGET, RANDOM_TARGET, RunConfig
 from specdistill.export import EAGLE3_LAYOUTS, FITTING_FORMATS, MTP_LAYOUTS, common, export_eagle3, export_mtp
-from specdistill.heads import load_head
+from specdistill.heads.checkpoint import load_head
 from specdistill.layout import RunLayout
 from specdistill.target import served_dir
 

@@ -15,7 +15,7 @@ import dataclasses
 import torch
 
 from specdistill.data.vocab import DraftVocab
-from specdistill.heads import head_from_state
+from specdistill.heads.checkpoint import head_from_state
 from specdistill.heads.fit import gram, ridge_solve
 
 

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from specdistill.fingerprint import TRAINED_ON, check_same
-from specdistill.heads import save_head
+from specdistill.heads.checkpoint import save_head
 from specdistill.io import (
     CorruptFile,
     atomic_dir,

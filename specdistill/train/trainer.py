@@ -27,7 +27,8 @@ from specdistill.data.vocab import DraftVocab, build_draft_vocab
 from specdistill.distributed import rank_and_world
 from specdistill.evaluate import metrics
 from specdistill.fingerprint import train_fingerprint
-from specdistill.heads import build_head, head_from_state
+from specdistill.heads.build import build_head
+from specdistill.heads.checkpoint import head_from_state
 from specdistill.heads.copy_init import init_copy_attention, keep_copy_queries_on_slow_pairs
 from specdistill.heads.widen import widened
 from specdistill.io import write_json
