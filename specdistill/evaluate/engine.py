@@ -44,7 +44,6 @@ WEIGHT_PROBLEM = re.compile(r"missing (keys?|weights?|parameters?)|unexpected (k
 # bfloat16: the engine's and our decodes part ways (rounding differs by batch shape), so the two taus are two
 # samples of one acceptance process; beyond this many standard errors apart is more than sampling noise. Draft
 # outcomes within a prompt are correlated, so the plain standard error is an underestimate: hence 3, not 2.
-# Measured spread in docs/results.md ("vLLM in the loop").
 BF16_Z_LIMIT = 3.0
 NEAR_TIE_SHARE = 0.01  # float32: at most this share of drafts scored differently, and tau within it, is a near-tie
 

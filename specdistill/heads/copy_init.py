@@ -29,8 +29,7 @@ from specdistill.heads.eagle3 import Eagle3Head
 from specdistill.heads.fit import gram, ridge_solve
 
 SLOW_SHARE = 3 / 8  # of the rotary pairs, the slowest, used for the match (12 of 32 at head_dim 64)
-MATCH_SCALE = 1.0  # on queries and keys: a soft start that training sharpens; chosen against sharper and softer starts
-#                    (docs/results.md, "Copy heads")
+MATCH_SCALE = 1.0  # on queries and keys: a soft start that training sharpens
 FC_RANDOM_SCALE = 0.1  # the random part of fc, beside the decoded token identity
 
 
@@ -137,7 +136,7 @@ def keep_copy_queries_on_slow_pairs(head: Eagle3Head) -> torch.utils.hooks.Remov
 
     Those rows start at zero, and with no gradient AdamW never moves them (weight decay keeps zero at
     zero), so the copy match stays nearly blind to distance: trained freely, the copy queries put weight
-    on the fast pairs and copy badly from beyond the longest training sample (docs/results.md, `pf`). The weights
+    on the fast pairs and copy badly from beyond the longest training sample. The weights
     stay a plain EAGLE-3 layer: engines see no difference."""
     E = head.config.arch.head_dim
     weight = head.midlayer.self_attn.q_proj.weight
