@@ -1,9 +1,9 @@
 """Hydra sweeps (`python train.py -m ...`): one run per job, named from its overrides, and a table at the end.
 
-Each job of a sweep runs the whole pipeline under its own run name, `<name>-<its overrides>` (sorted, those
-that say how the sweep runs left out; `name=` sets the prefix), so a rerun of the same sweep command finds
-every job's run again and resumes it. The jobs read the prepared data and features from the run root's store (`RunLayout`): a sweep
-over head or training settings prepares and captures once. The task function returns the job's dev tau, what a
+Each job of a sweep runs the whole pipeline under its own run name, `<name>-<key>@<value>+...` from its
+overrides (sorted, those that say how the sweep runs left out; `name=` sets the prefix), so a rerun of the same
+sweep command finds every job's run again and resumes it. The jobs read the prepared data and features from the
+run root's store (`RunLayout`): a sweep over head or training settings prepares and captures once. The task function returns the job's dev tau, what a
 sweeper (Optuna: `+sweep=optuna`) maximises. When the sweep ends, `SweepTable` writes `sweep.md` and `sweep.json`
 into the sweep directory (`<run_root>/sweeps/<name>/`): each job's overrides, dev tau with its interval, the tau
 vLLM served where the engine ran, the stage times, and the best job marked.
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +44,14 @@ def job_overrides() -> list[str]:
 
 
 def job_name(base: str) -> str:
-    """`<base>-<overrides>` for a job of a sweep (`/` becomes `_`: a run name is one directory), else `base`."""
+    """`<base>-<key>@<value>+...` for a job of a sweep, else `base`. The name is one directory and stays a plain
+    value in a later override (`head=runs/<name>/ckpt/best`): `=` and `,` would be read as Hydra syntax, so they
+    become `@` and `+`, and any other character outside [A-Za-z0-9_.@+-] becomes `_`."""
     overrides = job_overrides() if in_multirun() else []
-    return f"{base}-{','.join(sorted(overrides))}".replace("/", "_") if overrides else base
+    if not overrides:
+        return base
+    joined = "+".join(o.lstrip("+~").replace("=", "@", 1) for o in sorted(overrides))
+    return f"{base}-{re.sub(r'[^A-Za-z0-9_.@+-]', '_', joined)}"
 
 
 def named_for_its_job(cfg: DictConfig) -> DictConfig:

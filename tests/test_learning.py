@@ -1,7 +1,8 @@
 """A learning regression is caught: a head trained briefly on the real embedded target, from the fixed
 conversations in `tests/data/learning.jsonl` (SmolLM2's own questions and greedy answers, so no regeneration),
 must draft the held-out Spec-Bench prompts as a chain better than a floor set from measured runs, and better
-than the same head untrained. A change that halves what the head learns fails here.
+than the same head untrained. A change that halves what the head learns fails here, and so does a head distilled
+from a teacher off by one position (`learning_fault.py`).
 
 The floor and how it was set: docs/results.md ("The learning floor").
 """
@@ -38,22 +39,34 @@ def chain_tau(target, head) -> float:
     return tau_of(chain_counters(rounds, CHAIN))
 
 
-@pytest.mark.slow
-def test_a_brief_training_beats_a_measured_floor_and_the_untrained_head(tmp_path):
+def trained_briefly(tmp_path: Path, script: str = "train.py") -> tuple[float, float]:
+    """Held-out chain taus of the head `script` trains on the fixed conversations, and of the same head untrained."""
     overrides = [
         f"run_root={tmp_path}", "name=learn", "wandb.mode=disabled", "stages=[prepare,capture,train]",
         "data.source=jsonl", f"data.path={DATA}", "data.regenerate=false", "data.draft_vocab_size=4096",
         *STEPS,
     ]
-    proc = subprocess.run([sys.executable, "train.py", *overrides], cwd=ROOT, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, script, *overrides], cwd=ROOT, capture_output=True, text=True,
                           timeout=1200, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run_dir = tmp_path / "learn"
     target = computing_in(load_target(TargetConfig()), "bfloat16")
     vocab = DraftVocab.load(next((tmp_path / "store" / "data").glob("*/vocab.safetensors")))
     torch.manual_seed(0)
     untrained = build_head(HeadConfig(), target, vocab.d2t_N, vocab.t2d_V)
-    trained_tau, untrained_tau = chain_tau(target, load_head(trained_head_dir(run_dir / "ckpt"))), chain_tau(target, untrained)
-    print(f"held-out chain-of-{CHAIN} tau: trained {trained_tau:.3f}, untrained {untrained_tau:.3f}")
+    trained = load_head(trained_head_dir(tmp_path / "learn" / "ckpt"))
+    taus = chain_tau(target, trained), chain_tau(target, untrained)
+    print(f"held-out chain-of-{CHAIN} tau: trained {taus[0]:.3f}, untrained {taus[1]:.3f}")
+    return taus
+
+
+@pytest.mark.slow
+def test_a_brief_training_beats_a_measured_floor_and_the_untrained_head(tmp_path):
+    trained_tau, untrained_tau = trained_briefly(tmp_path)
     assert trained_tau >= TRAINED_TAU_FLOOR, (trained_tau, untrained_tau)
     assert trained_tau > untrained_tau + 0.05, (trained_tau, untrained_tau)
+
+
+@pytest.mark.slow
+def test_a_head_trained_on_a_teacher_off_by_one_falls_under_the_floor(tmp_path):
+    trained_tau, untrained_tau = trained_briefly(tmp_path, "tests/learning_fault.py")
+    assert trained_tau < TRAINED_TAU_FLOOR, (trained_tau, untrained_tau)
