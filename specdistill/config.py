@@ -191,7 +191,8 @@ class TrainConfig:
                             choices=("bucket", "pack"))
     grad_accum: int = setting(1, ge=1)
     grad_clip: float = setting(0.5, gt=0)
-    deepspeed: str | None = setting(None, "a file under conf/deepspeed/; null: none", choices=("zero2", "zero3"))
+    deepspeed: str | None = setting(None, "a DeepSpeed config in specdistill/train/deepspeed/; null: none",
+                                      choices=("zero2", "zero3"))
     mixed_precision: str = setting("auto", "auto: bf16 on GPU and on CPUs with native bf16 (not under DeepSpeed), "
                                    "else fp32", choices=("auto", "no", "bf16", "fp16"))
     ckpt_every: int = setting(200, ge=1)

@@ -26,6 +26,7 @@ from specdistill.distributed import (
     rank_and_world,
     wait_for_everyone,
 )
+from specdistill.evaluate.advice import advised_chain
 from specdistill.fingerprint import check_head_is_current
 from specdistill.heads.checkpoint import check_head_fits_target, load_head
 from specdistill.io import write_json
@@ -106,7 +107,11 @@ def run_stages(cfg: RunConfig) -> dict[str, dict] | None:
             if stage in ("evaluate", "export"):
                 check_kept_head(cfg, layout, target, stage)
             with building_entry(stage, layout):
-                results[stage] = importlib.import_module(STAGE_ENTRIES[stage]).run(cfg, layout, target) or {}
+                entry = importlib.import_module(STAGE_ENTRIES[stage]).run
+                # export gets the evaluation's advice from here, so it never reads evaluate's report: evaluate uses
+                # export (to serve its exports in the engine) and nothing runs the other way
+                stage_input = advised_chain(layout.report_file) if stage == "export" else target
+                results[stage] = entry(cfg, layout, stage_input) or {}
         wait_for_everyone()
         if rank == 0:
             results[stage]["seconds"] = round(time.time() - t0, 3)

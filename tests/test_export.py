@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
 from specdistill.config import RunConfig
+from specdistill.evaluate.advice import advised_chain
 from specdistill.export import EAGLE3_LAYOUTS, common, export_eagle3, run
 from specdistill.export.reader import read_head
 from specdistill.heads.checkpoint import save_head
@@ -290,7 +291,7 @@ def test_stage_prefers_best_and_writes_every_format(head, tmp_path):
     cfg.export.formats = ["sglang", "speculators"]
     save_head(make_head(seed=5), RunLayout.of(cfg).run_dir / "ckpt" / "final")
     save_head(head, RunLayout.of(cfg).run_dir / "ckpt" / "best")
-    result = run.run(cfg, RunLayout.of(cfg), target=None)
+    result = run.run(cfg, RunLayout.of(cfg))
     assert result == {"formats": {f: str(RunLayout.of(cfg).run_dir / "export" / f) for f in ("sglang", "speculators")}}
     back = read_head(RunLayout.of(cfg).run_dir / "export" / "speculators")
     assert torch.equal(back.fc.weight, head.fc.weight.to(torch.bfloat16).float())
@@ -299,25 +300,26 @@ def test_stage_prefers_best_and_writes_every_format(head, tmp_path):
     assert spec["proposal_methods"][0]["speculative_tokens"] == 3  # no evaluation yet: the default
 
 
-def test_stage_takes_the_speculative_tokens_the_evaluation_advises(head, tmp_path):
+def test_stage_takes_the_speculative_tokens_the_dev_evaluation_advises(head, tmp_path):
     cfg = RunConfig(name="exp", run_root=str(tmp_path))
     cfg.export.formats = ["speculators"]
-    save_head(head, RunLayout.of(cfg).run_dir / "ckpt" / "best")
-    (RunLayout.of(cfg).run_dir / "eval").mkdir(parents=True)
+    layout = RunLayout.of(cfg)
+    save_head(head, layout.run_dir / "ckpt" / "best")
+    layout.report_file.parent.mkdir(parents=True)
     advice = {"split": "dev",
               "serving_advice": {"per_batch": [{"batch_size": 1, "vllm_steps": 2}, {"batch_size": 8, "vllm_steps": 1}]}}
-    (RunLayout.of(cfg).run_dir / "eval" / "report.json").write_text(json.dumps(advice))
-    run.run(cfg, RunLayout.of(cfg), target=None)
-    spec = exported(RunLayout.of(cfg).run_dir / "export" / "speculators")[1]["speculators_config"]
-    assert spec["proposal_methods"][0]["speculative_tokens"] == 2
-    (RunLayout.of(cfg).run_dir / "eval" / "report.json").write_text(json.dumps({**advice, "split": "test"}))
-    run.run(cfg, RunLayout.of(cfg), target=None)  # a test-split report sets no default
-    spec = exported(RunLayout.of(cfg).run_dir / "export" / "speculators")[1]["speculators_config"]
-    assert spec["proposal_methods"][0]["speculative_tokens"] == 3
+
+    def exported_chain(report: dict) -> int:
+        layout.report_file.write_text(json.dumps(report))
+        run.run(cfg, layout, advised_chain(layout.report_file))
+        return exported(layout.export_dir / "speculators")[1]["speculators_config"]["proposal_methods"][0][
+            "speculative_tokens"]
+
+    assert exported_chain(advice) == 2
+    assert exported_chain({**advice, "split": "test"}) == 3  # a test-split report sets no default
+    assert exported_chain({"split": "dev"}) == 3  # no advice
     cfg.export.speculative_tokens = 4  # set: it wins
-    run.run(cfg, RunLayout.of(cfg), target=None)
-    assert exported(RunLayout.of(cfg).run_dir / "export" / "speculators")[1]["speculators_config"]["proposal_methods"][0][
-        "speculative_tokens"] == 4
+    assert exported_chain(advice) == 4
 
 
 def test_stage_refuses_mtp_formats_for_an_eagle3_head_before_writing(head, tmp_path):
@@ -325,7 +327,7 @@ def test_stage_refuses_mtp_formats_for_an_eagle3_head_before_writing(head, tmp_p
     cfg.export.formats = ["sglang", "native_mtp"]
     save_head(head, RunLayout.of(cfg).run_dir / "ckpt" / "final")
     with pytest.raises(common.ExportError, match=r"\['native_mtp'\] do not fit the eagle3 head"):
-        run.run(cfg, RunLayout.of(cfg), target=None)
+        run.run(cfg, RunLayout.of(cfg))
     assert not (RunLayout.of(cfg).run_dir / "export").exists()
 
 

@@ -18,7 +18,8 @@ def smoke_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     env = {**os.environ, "WANDB_API_KEY": "secret-key-never-written", "HF_HUB_OFFLINE": "1"}
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "train.py", "+exp=smoke", f"run_root={root}", "wandb.mode=offline"],
+    proc = subprocess.run([sys.executable, "train.py", "+exp=smoke", f"run_root={root}", "wandb.mode=offline",
+                           "export.formats=[sglang,vllm,speculators]"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return root / "smoke", proc, time.time() - t0
@@ -54,6 +55,15 @@ def test_export_and_checkpoint_are_safetensors(smoke_run):
     assert (sglang / "config.json").exists() and list(sglang.glob("*.safetensors"))
     assert (run_dir / "ckpt" / "final" / "head.safetensors").exists()
     assert (run_dir / "train" / "curves.png").exists()
+
+
+def test_the_speculators_export_names_the_chain_the_evaluation_advises(smoke_run):
+    run_dir, _, _ = smoke_run
+    report = json.loads((run_dir / "eval" / "report.json").read_text())
+    assert report["split"] == "dev"
+    advised = report["serving_advice"]["per_batch"][0]["vllm_steps"]
+    config = json.loads((run_dir / "export" / "speculators" / "config.json").read_text())
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == (advised or 3)
 
 
 def test_wandb_logs_offline_and_no_secret_is_written(smoke_run):

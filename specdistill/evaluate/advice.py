@@ -20,11 +20,15 @@ T_plain / (T_verify + T_draft). Verification turns compute-bound as b grows, so 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from torch import nn
 
 from specdistill.config import AdviceConfig
+
+log = logging.getLogger(__name__)
 
 STEPS = range(1, 9)
 DRAFT_TOKENS = (4, 8, 16, 32, 48, 64)
@@ -180,3 +184,15 @@ def advice_markdown(advice: dict) -> str:
     for r in advice["per_batch"]:
         lines += [f"- batch {r['batch_size']}:", f"  - SGLang: `{r['sglang']}`", f"  - vLLM: `{r['vllm']}`"]
     return "\n".join(lines) + "\n"
+
+
+def advised_chain(report_file: Path) -> int | None:
+    """The vLLM chain a run's evaluation on the dev split advises at its smallest batch; None without one. A report
+    on the test split advises nothing: a default chosen there would no longer leave the test split untouched."""
+    saved = json.loads(report_file.read_text()) if report_file.exists() else {}
+    if saved and saved.get("split") != "dev":
+        log.info("%s is an evaluation on the %s split: its serving advice is not read", report_file, saved.get("split"))
+        return None
+    per_batch = (saved.get("serving_advice") or {}).get("per_batch")
+    steps = per_batch[0]["vllm_steps"] if per_batch else 0
+    return steps if steps >= 1 else None

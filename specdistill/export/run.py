@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -45,27 +44,15 @@ def export_checkpoint(ckpt: str | Path, formats: list[str] | None, out: str | Pa
     return paths
 
 
-def advised_speculative_tokens(report: Path) -> int:
-    """The chain the run's evaluation on the dev split advises for vLLM at its smallest batch, else the default:
-    a default chosen on the test split would no longer leave the test split untouched."""
-    saved = json.loads(report.read_text()) if report.exists() else {}
-    if saved and saved.get("split") != "dev":
-        log.info("%s is an evaluation on the %s split: its serving advice is not read; %d speculative tokens",
-                 report, saved.get("split"), DEFAULT_SPECULATIVE_TOKENS)
-        return DEFAULT_SPECULATIVE_TOKENS
-    advice = saved.get("serving_advice")
-    steps = advice["per_batch"][0]["vllm_steps"] if advice and advice.get("per_batch") else 0
-    return steps if steps >= 1 else DEFAULT_SPECULATIVE_TOKENS
-
-
-def run(cfg: RunConfig, layout: RunLayout, target=None) -> dict:
-    """Export stage entry; `target` is unused (every dimension is in the head config). The verifier is the target's
+def run(cfg: RunConfig, layout: RunLayout, advised_tokens: int | None = None) -> dict:
+    """Export stage entry. The chain the speculators layout names is `export.speculative_tokens` when set, else
+    `advised_tokens` (the evaluation's advice, which the pipeline hands over), else 3. The verifier is the target's
     HF name (the random target: its saved folder). The target's own folder (a local dir, its HF cache entry, the
     saved random target) is the checkpoint whose stale MTP layer a native MTP export replaces; the embedded GGUF
     target has none."""
     checkpoint = None if cfg.target.name == EMBEDDED_TARGET or cfg.target.gguf_file else served_dir(cfg.target)
     served = str(checkpoint) if cfg.target.name == RANDOM_TARGET else SERVED_NAMES.get(cfg.target.name, cfg.target.name)
-    steps = cfg.export.speculative_tokens or advised_speculative_tokens(layout.report_file)
+    steps = cfg.export.speculative_tokens or advised_tokens or DEFAULT_SPECULATIVE_TOKENS
     paths = export_checkpoint(layout.trained_head_dir(), cfg.export.formats, layout.export_dir, cfg.export.dtype,
                               served, steps, checkpoint)
     return {"formats": paths}
