@@ -64,6 +64,10 @@ def test_compare_reports_any_float32_difference_and_bf16_beyond_tolerance():
     other_target = compare(ours, served([[1, 2], [3, 5]], dict(ours)), plain, [[1, 2], [3, 5]], "float32")
     assert "target itself decodes differently" in other_target["finding"]
     assert fp32["mismatched_prompts"] == [1] and fp32["outputs_equal_plain"] == 1
+    assert "not lossless in the engine: 1 of 2" in fp32["finding"]
+    lossy = compare(ours, served([[1, 2], [3, 5]], dict(ours)), plain, [[1, 2], [3, 4]], "float32")
+    assert lossy["counters_equal_ours"] and "not lossless in the engine" in lossy["finding"]
+    assert compare(ours, served([[1, 2], [3, 5]], dict(ours)), plain, [[1, 2], [3, 4]], "bfloat16")["finding"] is None
     assert compare(ours, served([[1, 2], [3, 4]], one_off), plain, [[1, 2], [3, 4]], "bfloat16")["finding"] is None
     # tau 2.25 against 2.5: sampling noise over 100 drafts, far beyond it over 1,000
     fewer = chain_counters([0, 2, 1, 2] * 25, 3)

@@ -173,7 +173,8 @@ def finding_of(entry: dict, ours: dict, plain: dict, our_outputs: list, dtype: s
     """Why the engine's count is not ours, in words, or None. The cause is named where the numbers tell it: in
     float32 a target that decodes differently makes the counts incomparable, a few drafts scored differently fit
     near-ties between two kernels' rounding, a shifted tau an export read wrongly; in bfloat16 the decodes part
-    ways by rounding, and the check is statistical."""
+    ways by rounding, and the check is statistical. In float32, speculative outputs that are not the engine's own
+    plain ones are a finding whatever the counters say."""
     findings = []
     ratio, z = entry["tau_ratio_to_ours"], entry["tau_z_to_ours"]
     moved = sum(abs(a - b) for a, b in zip(entry["accepted_per_pos"], ours["accepted_per_pos"]))
@@ -192,6 +193,10 @@ def finding_of(entry: dict, ours: dict, plain: dict, our_outputs: list, dtype: s
     elif not entry["counters_equal_ours"] and abs(z) > BF16_Z_LIMIT:
         findings.append(f"engine tau / ours = {ratio:.3f}, {z:+.1f} standard errors apart: beyond {dtype} "
                         f"sampling noise (limit {BF16_Z_LIMIT:g})")
+    if dtype == "float32" and entry["mismatched_prompts"]:  # bfloat16 rounds a k-token verify unlike a 1-token step
+        findings.append(f"speculation is not lossless in the engine: {len(entry['mismatched_prompts'])} of "
+                        f"{len(our_outputs)} speculative outputs differ from its plain greedy ones (prompts "
+                        f"{entry['mismatched_prompts']})")
     if entry["weight_warnings"]:
         findings.append("the engine reported weights it did not load")
     return "; ".join(findings) or None
