@@ -63,7 +63,9 @@ class VllmGenerator:
             return []
         draw = random.Random(seed)
         seeds = [draw.getrandbits(63) if temperature > 0 else None for _ in prompts]
-        reply = self._started().ask({
+        engine = self._started()
+        log.info("vLLM %s: %d prompts (progress in %s)", desc, len(prompts), self.log_path)
+        reply = engine.ask({
             "prompts": prompts, "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p,
             "seeds": seeds, "stop_token_ids": self.stop_token_ids, "allowed_token_ids": self.allowed_token_ids})
         outputs = [self._generation(ids) for ids in reply["outputs"]]

@@ -45,7 +45,7 @@ def main() -> None:
                   for seed in batch["seeds"]]
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in batch["prompts"]]
         t0 = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = llm.generate(prompts, params, use_tqdm=True)  # the bar goes to this worker's log
         reply({"outputs": [list(o.outputs[0].token_ids) for o in outputs],
                "wall_s": round(time.perf_counter() - t0, 3)})
 
