@@ -4,9 +4,10 @@ Each job of a sweep runs the whole pipeline under its own run name, `<name>-<key
 overrides (sorted, those that say how the sweep runs left out; `name=` sets the prefix), so a rerun of the same
 sweep command finds every job's run again and resumes it. The jobs read the prepared data and features from the
 run root's store (`RunLayout`): a sweep over head or training settings prepares and captures once. The task
-function returns the job's dev tau, what a sweeper (Optuna: `+sweep=optuna`) maximises. When the sweep ends, `SweepTable` writes `sweep.md` and `sweep.json`
-into the sweep directory (`<run_root>/sweeps/<name>/`): each job's overrides, dev tau with its interval, the tau
-vLLM served where the engine ran, the stage times, and the best job marked.
+function returns the job's dev tau, what a sweeper (Optuna: `+sweep=optuna`) maximises. When the sweep ends,
+`SweepTable` writes `sweep.md` and `sweep.json` into the sweep directory (`<run_root>/sweeps/<name>/`): each job's
+overrides, dev tau with its interval, the tau vLLM served where the engine ran, the stage times, and the best job
+marked.
 """
 
 from __future__ import annotations
