@@ -1,6 +1,7 @@
-"""A target's own MTP module (GLM-4.5, DeepSeek-V3, Qwen3-Next, MiMo families, tiny random): built from the target's transformers
-classes, run with vLLM's semantics (each pinned here), drafted as it was trained, and exported in the keys of the
-target's own checkpoint, which transformers reads back into the same module."""
+"""A target's own MTP module (GLM-4.5, DeepSeek-V3, Qwen3-Next, MiMo families, tiny random): built from the target's
+transformers classes, run with the semantics its `MTP_FAMILIES` entry declares, drafted as it was trained, and
+exported in the keys of the target's own checkpoint, which transformers reads back into the same module. Whether
+each entry is vLLM's is pinned against vLLM's own MTP model in test_native_mtp_vllm.py."""
 
 import json
 from pathlib import Path
