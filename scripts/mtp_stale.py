@@ -26,7 +26,13 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from specdistill.config import EngineConfig, EvalConfig, RandomTargetConfig, RunConfig, TargetConfig
+from specdistill.config import (
+    EngineConfig,
+    EvalConfig,
+    ExportConfig,
+    RandomTargetConfig,
+    TargetConfig,
+)
 from specdistill.evaluate.engine import evaluate_in_engine
 from specdistill.heads.checkpoint import load_head
 from specdistill.heads.native_mtp import MTP_FAMILIES, family_name, layer_prefixes
@@ -64,8 +70,8 @@ def served_beside_ours(run_dir: Path, target: TargetConfig) -> dict:
     """The run's trained module laid over its target and served by vLLM in bfloat16, beside our chain: the
     evaluate stage's engine check, without the tree evaluation that cannot run on this target."""
     ev = EvalConfig(limit=8, max_new_tokens=48, engine=EngineConfig(name="vllm", dtype="bfloat16"))
-    cfg = RunConfig(name=run_dir.name, run_root=str(run_dir.parent), target=target, eval=ev)
-    return evaluate_in_engine(cfg, load_target(target), load_head(trained_head_dir(run_dir / "ckpt")), run_dir / "eval")
+    head = load_head(trained_head_dir(run_dir / "ckpt"))
+    return evaluate_in_engine(ev, ExportConfig().dtype, target, load_target(target), head, run_dir / "eval")
 
 
 def perturbed(model: Path, out: Path, noise: float, seed: int = 0) -> Path:

@@ -19,8 +19,10 @@ from safetensors.torch import load_file, save_file
 
 from specdistill.config import EngineConfig, EvalConfig, RandomTargetConfig, TargetConfig
 from specdistill.evaluate import engine
+from specdistill.evaluate.bench import load_items
 from specdistill.evaluate.engine import (
-    BF16_Z_LIMIT,
+    COUNTED,
+    bf16_spread,
     chain_counters,
     compare,
     engine_evaluation,
@@ -45,39 +47,79 @@ def test_chain_counters_are_the_engines_counters():
     assert engine.tau_of(chain_counters([0, 3, 1, 2], 3)) == 2.5
 
 
-def served(outputs, counters, warnings=()):
-    return {"outputs": outputs, "counters": counters, "wall_s": 2.0, "load_s": 1.0, "weight_warnings": list(warnings)}
+def counted(rounds_per_prompt: list[list[int]], k: int = 3) -> dict:
+    """Counters in all and per prompt, from each prompt's accepted drafts per round."""
+    return {**chain_counters([a for rounds in rounds_per_prompt for a in rounds], k),
+            "per_prompt": [chain_counters(rounds, k) for rounds in rounds_per_prompt]}
 
 
-def test_compare_reports_any_float32_difference_and_bf16_beyond_tolerance():
-    ours = chain_counters([0, 3, 1, 2] * 25, 3)  # 100 drafts, 150 accepted: tau 2.5
-    plain = served([[1, 2], [3, 4]], {}, [])
-    same = compare(ours, served([[1, 2], [3, 4]], dict(ours)), plain, [[1, 2], [3, 4]], "float32")
-    assert same["counters_equal_ours"] and same["finding"] is None and same["outputs_equal_plain"] == 2
-    one_off = dict(ours, accepted=151, accepted_per_pos=[75, 50, 26])  # tau 2.51
-    fp32 = compare(ours, served([[1, 2], [3, 5]], one_off), plain, [[1, 2], [3, 4]], "float32")
-    assert not fp32["counters_equal_ours"] and "differ from ours in float32" in fp32["finding"]
-    assert "near-ties" in fp32["finding"]
-    misread = compare(ours, served([[1, 2], [3, 4]], dict(ours, accepted=140, accepted_per_pos=[70, 45, 25])), plain,
-                      [[1, 2], [3, 4]], "float32")
+def served(outputs, counts, warnings=()):
+    return {"outputs": outputs, "counters": {key: counts[key] for key in COUNTED}, "per_prompt": counts["per_prompt"],
+            "wall_s": 2.0, "load_s": 1.0, "weight_warnings": list(warnings)}
+
+
+def explained_as(near_tie: bool):
+    """An explanation as `near_ties.explain` gives one (the replay itself is tested below, on a real model)."""
+    return lambda i, counters: ({"near_tie": True, "round": 4, "position": 1, "margin": 1e-6} if near_tie else
+                                {"near_tie": False, "smallest_margin": 0.5, "flips_tried": 0})
+
+
+def test_float32_compares_prompt_by_prompt_and_only_a_replayed_near_tie_excuses_a_difference():
+    outputs = [[1, 2], [3, 4]]
+    ours = counted([[0, 3, 1, 2] * 12, [0, 3, 1, 2] * 13])  # 100 drafts, 150 accepted: tau 2.5
+    plain = served(outputs, counted([[], []]))
+    same = compare(ours, served(outputs, ours), plain, outputs, "float32", explained_as(False), 1e-5)
+    assert same["counters_equal_ours"] and same["prompts_equal_ours"] == 2 and same["finding"] is None
+    # one draft of prompt 1 accepted one token more in the engine
+    moved = counted([[0, 3, 1, 2] * 12, [1, 3, 1, 2] + [0, 3, 1, 2] * 12])
+    tie = compare(ours, served(outputs, moved), plain, outputs, "float32", explained_as(True), 1e-5)
+    assert tie["differing_prompts"] == [1] and tie["prompts_equal_ours"] == 1 and tie["finding"] is None
+    assert tie["near_ties"] == [{"prompt": 1, "near_tie": True, "round": 4, "position": 1, "margin": 1e-6}]
+    assert "prompt 1 a near-tie (round 4, position 1: margin 1e-06 < epsilon 1e-05)" in engine.explained_differences(tie)
+    misread = compare(ours, served(outputs, moved), plain, outputs, "float32", explained_as(False), 1e-5)
+    assert "differ from ours in float32 on prompts [1]" in misread["finding"]
     assert "read differently from how it was trained" in misread["finding"]
-    other_target = compare(ours, served([[1, 2], [3, 5]], dict(ours)), plain, [[1, 2], [3, 5]], "float32")
-    assert "target itself decodes differently" in other_target["finding"]
-    assert fp32["mismatched_prompts"] == [1] and fp32["outputs_equal_plain"] == 1
-    assert "not lossless in the engine: 1 of 2" in fp32["finding"]
-    lossy = compare(ours, served([[1, 2], [3, 5]], dict(ours)), plain, [[1, 2], [3, 4]], "float32")
-    assert lossy["counters_equal_ours"] and "not lossless in the engine" in lossy["finding"]
-    assert compare(ours, served([[1, 2], [3, 5]], dict(ours)), plain, [[1, 2], [3, 4]], "bfloat16")["finding"] is None
-    assert compare(ours, served([[1, 2], [3, 4]], one_off), plain, [[1, 2], [3, 4]], "bfloat16")["finding"] is None
-    # tau 2.25 against 2.5: sampling noise over 100 drafts, far beyond it over 1,000
-    fewer = chain_counters([0, 2, 1, 2] * 25, 3)
-    assert compare(ours, served([[1, 2], [3, 4]], fewer), plain, [[1, 2], [3, 4]], "bfloat16")["finding"] is None
-    many, fewer_of_many = chain_counters([0, 3, 1, 2] * 250, 3), chain_counters([0, 2, 1, 2] * 250, 3)
-    far = compare(many, served([[1, 2], [3, 4]], fewer_of_many), plain, [[1, 2], [3, 4]], "bfloat16")
-    assert "beyond bfloat16 sampling noise" in far["finding"]
-    warned = compare(ours, served([[1, 2], [3, 4]], dict(ours), ["weights not found: fc.weight"]), plain,
-                     [[1, 2], [3, 4]], "float32")
+    # two prompts whose differences cancel out in the totals: still a finding
+    swapped = counted([[1, 3, 1, 2] + [0, 3, 1, 2] * 11, [0, 3, 0, 2] + [0, 3, 1, 2] * 12])
+    swapped_total = compare(ours, served(outputs, swapped), plain, outputs, "float32", explained_as(False), 1e-5)
+    assert swapped_total["counters_equal_ours"] and swapped_total["differing_prompts"] == [0, 1]
+    assert "on prompts [0, 1]" in swapped_total["finding"]
+    # a prompt the target decodes differently is set aside, the other still compared
+    other = [[1, 2], [3, 5]]
+    aside = compare(ours, served(other, moved), served(other, counted([[], []])), outputs, "float32",
+                    explained_as(False), 1e-5)
+    assert aside["set_aside"] == [1] and aside["differing_prompts"] == [] and aside["finding"] is None
+    assert "prompts [1] set aside" in engine.explained_differences(aside)
+    everything = compare(ours, served(other, moved), served(other, counted([[], []])), [[9], [9]], "float32",
+                         explained_as(False), 1e-5)
+    assert "no prompt's counts can be compared" in everything["finding"]
+
+
+def test_speculative_outputs_unlike_the_engines_plain_ones_are_a_float32_finding_only():
+    outputs = [[1, 2], [3, 4]]
+    ours = counted([[0, 3, 1, 2] * 12, [0, 3, 1, 2] * 13])
+    plain = served(outputs, counted([[], []]))
+    lossy = compare(ours, served([[1, 2], [3, 5]], ours), plain, outputs, "float32", explained_as(False), 1e-5)
+    assert lossy["counters_equal_ours"] and lossy["mismatched_prompts"] == [1] and lossy["outputs_equal_plain"] == 1
+    assert "not lossless in the engine: 1 of 2" in lossy["finding"]
+    assert compare(ours, served([[1, 2], [3, 5]], ours), plain, outputs, "bfloat16")["finding"] is None
+    warned = compare(ours, served(outputs, ours, ["weights not found: fc.weight"]), plain, outputs, "float32")
     assert "did not load" in warned["finding"]
+
+
+def test_bfloat16_flags_a_tau_beyond_its_measured_spread():
+    outputs = [[1, 2], [3, 4]]
+    ours = counted([[0, 3, 1, 2] * 12, [0, 3, 1, 2] * 13])  # 100 drafts, tau 2.5
+    plain = served(outputs, counted([[], []]))
+    one_off = counted([[0, 3, 1, 2] * 12, [1, 3, 1, 2] + [0, 3, 1, 2] * 12])
+    assert compare(ours, served(outputs, one_off), plain, outputs, "bfloat16")["finding"] is None
+    # tau 2.25 against 2.5 over 100 and over 1,000 drafts: flagged exactly when beyond the measured bound
+    for scale in (25, 250):
+        base, fewer = counted([[0, 3, 1, 2] * scale, []]), counted([[0, 2, 1, 2] * scale, []])
+        entry = compare(base, served(outputs, fewer), plain, outputs, "bfloat16")
+        beyond = abs(entry["tau_z_to_ours"]) > bf16_spread()["z_limit"]
+        assert (entry["finding"] is not None) == beyond and (scale == 25 or beyond), entry["tau_z_to_ours"]
+        assert not beyond or "beyond bfloat16 sampling noise" in entry["finding"]
 
 
 def test_tau_z_is_the_difference_in_standard_errors():
@@ -99,8 +141,8 @@ def test_the_root_cause_is_the_first_exception_line_of_the_log_tail():
 
 
 def test_a_layout_the_engine_failed_on_is_reported_beside_the_others():
-    ours = dict(chain_counters([0, 3, 1, 2], 3), drafter="chain of 3", tau=2.5)
-    ran = compare(ours, served([[1]], dict(ours)), served([[1]], {}), [[1]], "float32")
+    ours = dict(counted([[0, 3, 1, 2]]), drafter="chain of 3", tau=2.5)
+    ran = compare(ours, served([[1]], ours), served([[1]], counted([[]])), [[1]], "float32")
     report = {"engine": "vllm", "version": "0.32.0", "dtype": "float32", "num_speculative_tokens": 3,
               "num_prompts": 1, "ours": ours,
               "layouts": {"vllm": {"layout": "vllm", **ran},
@@ -144,16 +186,20 @@ def test_a_speculators_export_is_served_with_the_local_target_as_verifier(tmp_pa
 EVAL = ["eval.limit=4", "eval.max_new_tokens=48", "eval.tree.depth=3", "eval.tree.topk=4", "eval.tree.num_draft_tokens=12"]
 
 
+def engine_prompts(path: Path, count: int) -> Path:
+    """The first `count` Spec-Bench questions' first turns, as a jsonl the head learns from and the check serves."""
+    path.write_text("".join(json.dumps({"turns": turns[:1]}) + "\n" for turns in load_items("spec_bench")[:count]))
+    return path
+
+
 @pytest.fixture(scope="module")
 def embedded_run(tmp_path_factory, engine_ready):
-    """The embedded target through every stage to evaluate, a head briefly trained, `eval.engine.name=vllm`."""
+    """The embedded target through every stage to evaluate, with a head that learnt the target's answers to the
+    prompts served (`+exp=engine_check`, `<run_root>/prompts.jsonl`), and `eval.engine.name=vllm`."""
     root = tmp_path_factory.mktemp("runs")
-    overrides = [
-        f"run_root={root}", "name=engine", "wandb.mode=disabled", "stages=[prepare,capture,train,evaluate]",
-        "data.synth.num_conversations=16", "data.synth.batch_size=16", "data.synth.answer_max_tokens=96",
-        "data.documents.min_chars=100", "data.draft_vocab_size=2048", "train.max_steps=30", "train.ttt_steps=3",
-        "train.batch_tokens=1024", "eval.engine.name=vllm", *EVAL,
-    ]
+    prompts = engine_prompts(root / "prompts.jsonl", 20)
+    overrides = ["+exp=engine_check", f"run_root={root}", "name=engine", "stages=[prepare,capture,train,evaluate]",
+                 f"data.path={prompts}", f"eval.bench={prompts}", "eval.engine.name=vllm", *EVAL]
     proc = subprocess.run([sys.executable, "train.py", *overrides], cwd=ROOT, capture_output=True, text=True,
                           timeout=3000, env=ENV)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -174,7 +220,8 @@ def test_vllm_serves_both_layouts_exactly_as_our_chain_counts(embedded_run):
         assert m["outputs_equal_plain"] == n and m["mismatched_prompts"] == []
         assert (m["drafts"], m["accepted"], m["accepted_per_pos"]) == (
             ours["drafts"], ours["accepted"], ours["accepted_per_pos"]), layout
-        assert m["counters_equal_ours"] and m["finding"] is None
+        assert m["counters_equal_ours"] and m["prompts_equal_ours"] == n and m["finding"] is None
+    assert 0 <= report["epsilon"] < 1e-2  # two float32 kernels' largest disagreement on a top-2 margin
     digest = json.loads((run_dir / "eval" / "report.json").read_text())["engine"]
     assert digest["layouts"]["vllm"]["tau"] == report["layouts"]["vllm"]["tau"]
     assert "## In the engine: vllm" in (run_dir / "eval" / "summary.md").read_text()
@@ -209,7 +256,7 @@ def test_a_faulty_export_makes_the_engine_disagree_or_fail(embedded_run, tmp_pat
         shutil.copy(cached, out / "engine" / cached.name)
     target_cfg = TargetConfig()
     head = engine.rounded(load_head(trained_head_dir(run_dir / "ckpt")), "bfloat16")
-    report = engine_evaluation(EngineConfig(name="vllm"), EvalConfig(limit=4, max_new_tokens=48),
+    report = engine_evaluation(EngineConfig(name="vllm"), served_as_in(run_dir, limit=4, max_new_tokens=48),
                                load_target(target_cfg), head, {fault: export}, served_dir(target_cfg), out)
     m = report["layouts"][fault]
     if m.get("failed"):  # ids past the vocabulary: vLLM stops, and that is the finding
@@ -219,17 +266,50 @@ def test_a_faulty_export_makes_the_engine_disagree_or_fail(embedded_run, tmp_pat
     assert not m["counters_equal_ours"] and "differ from ours in float32" in m["finding"], fault
 
 
-@pytest.mark.slow
-def test_bf16_engine_tau_stays_within_the_measured_tolerance(embedded_run, tmp_path):
+def served_as_in(run_dir: Path, **settings) -> EvalConfig:
+    """The evaluation settings over the prompts the run's head learnt (`engine_prompts`)."""
+    return EvalConfig(bench=str(run_dir.parent / "prompts.jsonl"), **settings)
+
+
+BF16_SIZE = {"limit": 16, "max_new_tokens": 80}  # the size of each prompt set in bf16_spread.json
+
+
+@pytest.fixture(scope="module")
+def bf16_served(embedded_run, tmp_path_factory):
+    """The vLLM export of the embedded head served in bfloat16 beside our chain: (report, our head, target, the
+    folder its engine runs are kept in, the evaluation settings)."""
     run_dir, _ = embedded_run
     target_cfg = TargetConfig()
     head = engine.rounded(load_head(trained_head_dir(run_dir / "ckpt")), "bfloat16")
-    report = engine_evaluation(EngineConfig(name="vllm", dtype="bfloat16"), EvalConfig(limit=4, max_new_tokens=48),
-                               load_target(target_cfg), head, {"vllm": run_dir / "eval" / "engine" / "vllm"},
-                               served_dir(target_cfg), tmp_path)
+    target, out = load_target(target_cfg), tmp_path_factory.mktemp("bf16")
+    ev = served_as_in(run_dir, **BF16_SIZE)
+    report = engine_evaluation(EngineConfig(name="vllm", dtype="bfloat16"), ev, target, head,
+                               {"vllm": run_dir / "eval" / "engine" / "vllm"}, served_dir(target_cfg), out)
+    return report, head, target, out, ev
+
+
+@pytest.mark.slow
+def test_bf16_engine_tau_stays_within_the_measured_bound(bf16_served):
+    report, *_ = bf16_served
+    spread = json.loads(engine.BF16_SPREAD_FILE.read_text())
+    assert (report["num_prompts"], report["max_new_tokens"]) == (spread["prompts_per_set"], spread["max_new_tokens"])
     m = report["layouts"]["vllm"]
-    assert m["weight_warnings"] == [] and m["finding"] is None
-    assert abs(m["tau_z_to_ours"]) <= BF16_Z_LIMIT
+    assert m["weight_warnings"] == [] and m["finding"] is None, m["finding"]
+    assert abs(m["tau_z_to_ours"]) <= bf16_spread()["z_limit"]
+    assert 0 < m["detectable_tau_loss"] < 1 and "19 times in 20" in engine.explained_differences(m)
+
+
+@pytest.mark.slow
+def test_a_bf16_export_read_wrongly_is_a_finding(bf16_served, tmp_path):
+    report, head, target, served_out, ev = bf16_served
+    export = faulty(Path(report["layouts"]["vllm"]["dir"]), tmp_path / "faulty", "layer_ids_off_by_one")
+    (tmp_path / "out" / "engine").mkdir(parents=True)
+    for cached in (served_out / "engine").glob("runs.*"):  # the plain engine run is reused from there
+        shutil.copy(cached, tmp_path / "out" / "engine" / cached.name)
+    checked = engine_evaluation(EngineConfig(name="vllm", dtype="bfloat16"), ev, target, head,
+                                {"faulty": export}, served_dir(TargetConfig()), tmp_path / "out")
+    m = checked["layouts"]["faulty"]
+    assert m["finding"] and "beyond bfloat16 sampling noise" in m["finding"], m["tau_z_to_ours"]
 
 
 # --- the script on the smoke target ---------------------------------------------------------------------
@@ -277,11 +357,9 @@ def test_vllm_serves_the_fine_tuned_mtp_layer_as_our_chain_counts(glm_mtp_run):
     assert report["plain"]["outputs_equal_ours"] == n
     assert ours["accepted"] > 0, "the module accepts nothing: the faults below could not change its counts"
     assert m["layout"] == "native_mtp" and m["weight_warnings"] == [] and m["outputs_equal_plain"] == n
-    # count for count, but for what the report itself classes as argmax near-ties (here one draft of 309, in
-    # random weights whose top logits lie within 1e-3; the faults below move far more)
-    moved = sum(abs(a - b) for a, b in zip(m["accepted_per_pos"], ours["accepted_per_pos"]))
-    assert abs(m["drafts"] - ours["drafts"]) + moved <= 2, (m["accepted_per_pos"], ours["accepted_per_pos"])
-    assert m["counters_equal_ours"] or "near-ties" in m["finding"], m["finding"]
+    # prompt by prompt count for count, but for a near-tie a replay shows (random weights' top logits lie close)
+    assert m["finding"] is None and report["epsilon"] is not None
+    assert len(m["near_ties"]) == len(m["differing_prompts"]) and m["read_differently"] == []
     export = glm_mtp_run / "export" / "native_mtp"  # over the one-file target: its model.safetensors, MTP layer in
     assert json.loads((export / common.CONFIG_FILE).read_text())["num_nextn_predict_layers"] == 1
     assert "model.layers.8.eh_proj.weight" in load_file(str(export / common.WEIGHTS_FILE))

@@ -96,7 +96,7 @@ def main_engine(dict_cfg: DictConfig) -> dict:
     target = load_target(run.target, launch_device())
     head, out = load_any_head(cfg.head_dir, target), Path(cfg.out)
     if (Path(cfg.head_dir) / HEAD_CONFIG).exists():
-        report = evaluate_in_engine(run, target, head, out)
+        report = evaluate_in_engine(run.eval, run.export.dtype, run.target, target, head, out)
     else:
         target_dir = served_dir(run.target)
         report = engine_evaluation(run.eval.engine, run.eval, target, head,

@@ -64,14 +64,15 @@ def engine_markdown(e: dict) -> list[str]:
     """The exported head as the engine served it, beside our chain of the same length (eval/engine.json)."""
     lines = ["", f"## In the engine: {e['engine']} {e['version']} ({e['dtype']}, {e['num_speculative_tokens']} "
              "speculative tokens)", "", "| layout | engine tau | our chain's tau | engine / ours | accepted per position, "
-             "engine / ours | counters equal | outputs equal the engine's plain greedy | finding |",
+             "engine / ours | prompts counted as ours | outputs equal the engine's plain greedy | finding |",
              "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {layout} | failed | {e['ours_chain_tau']:.3f} | - | - | - | - | **{m['finding']}** |"
               if m["tau"] is None else
               f"| {layout} | {m['tau']:.3f} | {e['ours_chain_tau']:.3f} | {m['tau_ratio_to_ours']:.3f}x "
               f"| {m['accepted_per_pos']} / {e['ours_accepted_per_pos']} "
-              f"| {'yes' if m['counters_equal_ours'] else '**no**'} | {m['outputs_equal_plain']} "
-              f"| {('**' + m['finding'] + '**') if m['finding'] else '-'} |" for layout, m in e["layouts"].items()]
+              f"| {m['prompts_equal_ours']}/{e['num_prompts']} | {m['outputs_equal_plain']} "
+              f"| {('**' + m['finding'] + '**') if m['finding'] else m['explained'] or '-'} |"
+              for layout, m in e["layouts"].items()]
     return lines
 
 

@@ -333,7 +333,8 @@ def evaluate(cfg: RunConfig, target: Target, head, out_dir: Path, head_path: str
                                       serve_dirs or dict.fromkeys(("sglang", "vllm"), head_path or "<head dir>"),
                                       evaluated_shapes(report, tallies))
     if ev.engine.name:  # the same head served by the engine, its tau beside our chain's
-        report["engine"] = engine_digest(evaluate_in_engine(cfg, target, head, out_dir))
+        report["engine"] = engine_digest(evaluate_in_engine(cfg.eval, cfg.export.dtype, cfg.target, target, head,
+                                                            out_dir))
     write_report(report, rows, out_dir, cfg.wandb)
     shutil.rmtree(out_dir / PARTIAL)  # finished: a later evaluation measures afresh
     return report

