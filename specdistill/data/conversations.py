@@ -71,7 +71,7 @@ class SourceConversations:
         self.regenerated = 0  # conversations yielded (rank 0)
         self.long_answers: list[tuple[str, str]] = []  # (position, cache key) of those with a document-long answer
         self.paths = source_paths(cfg.data)  # a missing package fails here, before any row is read
-        bench = decontaminated_against(cfg)
+        bench = decontaminated_against(cfg.data, cfg.eval.bench)
         self.benchmark = None if bench is None else BenchmarkSpans(bench, tgt.tokenizer, cfg.data.decontaminate_ngram)
         generation = cfg.data.generation
         self.params = sampling_params(generation, generation.backend)

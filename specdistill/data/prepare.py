@@ -34,7 +34,7 @@ import datasets
 import torch
 
 from specdistill.cache import ResultCache
-from specdistill.config import ConfigError, RunConfig
+from specdistill.config import ConfigError, DataConfig, RunConfig
 from specdistill.data.conversations import SourceConversations, local_generator
 from specdistill.data.decontaminate import decontaminated_against
 from specdistill.data.rejects import RejectLog, RowError, TooManyRejects
@@ -248,7 +248,7 @@ def _summary(cfg: RunConfig, want: str, lengths: dict, vocab: DraftVocab, reject
         "loss_tokens": int(vocab.counts_V.sum()),
         "rejects": len(rejects),
         "rejects_by_reason": rejects.by_reason(),
-        "decontamination": _decontamination(cfg, rejects),
+        "decontamination": _decontamination(cfg.data, cfg.eval.bench, rejects),
         "draft_vocab_size": vocab.size,
         "distinct_loss_tokens": int((vocab.counts_V > 0).sum()),
         "coverage": round(vocab.coverage, 6),
@@ -256,10 +256,10 @@ def _summary(cfg: RunConfig, want: str, lengths: dict, vocab: DraftVocab, reject
     }
 
 
-def _decontamination(cfg: RunConfig, rejects: RejectLog) -> dict | None:
+def _decontamination(data: DataConfig, eval_bench: str, rejects: RejectLog) -> dict | None:
     """What decontamination checked against and how many conversations it dropped; None where it did not run."""
-    bench = decontaminated_against(cfg)
+    bench = decontaminated_against(data, eval_bench)
     if bench is None:
         return None
     dropped = sum(r["reason"] == "benchmark_overlap" for r in rejects.rows)
-    return {"bench": bench, "ngram": cfg.data.decontaminate_ngram, "dropped": dropped}
+    return {"bench": bench, "ngram": data.decontaminate_ngram, "dropped": dropped}
