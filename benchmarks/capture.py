@@ -79,7 +79,7 @@ def main() -> None:
             target=target_cfg,
             capture=CaptureConfig(batch_tokens=args.batch_tokens, shard_tokens=8 * args.batch_tokens),
         )
-        lazy = LazyTarget(cfg)
+        lazy = LazyTarget(cfg.target)
         target = lazy.get()
         ids = synthetic_samples(cfg, target.vocab_size, args.samples, args.min_len, args.max_len, seed=0)
         lengths = [len(x) for x in ids]

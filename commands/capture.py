@@ -23,7 +23,8 @@ log = logging.getLogger("specdistill")
 @hydra.main(config_path="../conf", config_name="config", version_base=None)
 def main(dict_cfg: DictConfig) -> None:
     cfg = exit_on_user_error(lambda: to_run_config(dict_cfg))
-    result = run_as_one_job(RunLayout.of(cfg, "capture").failed_dir, lambda: run(cfg, RunLayout.of(cfg, "capture"), LazyTarget(cfg)))
+    result = run_as_one_job(RunLayout.of(cfg, "capture").failed_dir,
+                            lambda: run(cfg, RunLayout.of(cfg, "capture"), LazyTarget(cfg.target)))
     leave_launch()
     log.info("capture: %s", result)
 

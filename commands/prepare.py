@@ -25,7 +25,8 @@ log = logging.getLogger("specdistill")
 def main(dict_cfg: DictConfig) -> None:
     cfg = exit_on_user_error(lambda: to_run_config(dict_cfg))
     exit_on_user_error(lambda: resolve_source(cfg.target))
-    summary = run_as_one_job(RunLayout.of(cfg, "prepare").failed_dir, lambda: run(cfg, RunLayout.of(cfg, "prepare"), LazyTarget(cfg)))
+    summary = run_as_one_job(RunLayout.of(cfg, "prepare").failed_dir,
+                             lambda: run(cfg, RunLayout.of(cfg, "prepare"), LazyTarget(cfg.target)))
     leave_launch()
     log.info("prepared %d samples (%d rejects) in %s", summary["samples"], summary["rejects"], RunLayout.of(cfg, "prepare").data_dir)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from specdistill.cache import content_key
 from specdistill.capture.store import HEADER_KEYS, MANIFEST, FeatureStore
-from specdistill.config import RunConfig
+from specdistill.config import CaptureConfig, HeadConfig, RunConfig, TrainConfig
 from specdistill.io import sha256_file, weights_fingerprint
 from specdistill.layout import RunLayout
 from specdistill.target import Target
@@ -64,15 +64,16 @@ def check_same(what: Path, recorded: dict, current: dict, name: str) -> None:
                        "training checkpoints and train anew")
 
 
-def train_fingerprint(cfg: RunConfig, layout: RunLayout, target: Target | None) -> dict:
+def train_fingerprint(train: TrainConfig, head: HeadConfig, capture: CaptureConfig, seed: int, layout: RunLayout,
+                      target: Target | None) -> dict:
     """What the trained weights depend on: the keys of the store entries trained on (the data and capture settings),
     hashes of the features, the draft vocabulary and the target's weights, and the fields of `train` and `head`
     that change the weights. An input file that is not there (`target` None, a feature store deleted after
     training) is left out."""
-    out = {**config_fields(cfg.train, "train", skip=RESUME_SAFE), **config_fields(cfg.head, "head"), "seed": cfg.seed,
+    out = {**config_fields(train, "train", skip=RESUME_SAFE), **config_fields(head, "head"), "seed": seed,
            "input:data_key": layout.data_key}
-    if cfg.capture.mode == "online":
-        out["input:features"] = content_key(layout.data_key, config_fields(cfg.capture, "capture"))
+    if capture.mode == "online":
+        out["input:features"] = content_key(layout.data_key, config_fields(capture, "capture"))
     else:
         out["input:features_key"] = layout.features_key
         if (layout.features_dir / MANIFEST).exists():
@@ -93,6 +94,6 @@ def check_head_is_current(head_dir: Path, cfg: RunConfig, layout: RunLayout, tar
     if not (head_dir / TRAINED_ON).exists():
         raise StaleRun(f"{head_dir}: no {TRAINED_ON}, so what it was trained on is unknown; run the train stage")
     recorded = json.loads((head_dir / TRAINED_ON).read_text())
-    current = train_fingerprint(cfg, layout, target)
+    current = train_fingerprint(cfg.train, cfg.head, cfg.capture, cfg.seed, layout, target)
     kept = {k: v for k, v in recorded.items() if k in current or not k.startswith("input:")}  # inputs still here
     check_same(head_dir, kept, current, cfg.name)

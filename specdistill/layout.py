@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdistill.cache import content_key
-from specdistill.config import ConfigError, RunConfig
+from specdistill.config import CaptureConfig, ConfigError, DataConfig, RunConfig, TargetConfig
 from specdistill.data.decontaminate import decontaminated_against
 from specdistill.heads.checkpoint import HEAD_CONFIG
 from specdistill.io import CorruptFile, verify_checksums
@@ -44,23 +44,24 @@ GENERATION_EXECUTION_FIELDS = ("chunk_rows", "concurrency", "timeout_s", "max_re
 CAPTURE_EXECUTION_FIELDS = ("batch_tokens",)
 
 
-def data_key(cfg: RunConfig) -> str:
+def data_key(data: DataConfig, target: TargetConfig, seed: int, eval_bench: str) -> str:
     """What the prepared data depends on: the data settings, the target, the seed, the benchmark it is
-    decontaminated against."""
-    data = dataclasses.asdict(cfg.data)
+    decontaminated against (`eval_bench`, where it is)."""
+    fields = dataclasses.asdict(data)
     for name in DATA_EXECUTION_FIELDS:
-        data.pop(name, None)
+        fields.pop(name, None)
     for name in GENERATION_EXECUTION_FIELDS:
-        data["generation"].pop(name, None)
-    return content_key("data", data, cfg.target.name, cfg.target.revision, cfg.target.gguf_file, cfg.seed,
-                       decontaminated_against(cfg))
+        fields["generation"].pop(name, None)
+    return content_key("data", fields, target.name, target.revision, target.gguf_file, seed,
+                       decontaminated_against(data, eval_bench))
 
 
-def features_key(cfg: RunConfig) -> str:
-    """What the captured features depend on: the prepared data, the capture settings, the target and its layers."""
-    capture = {k: v for k, v in dataclasses.asdict(cfg.capture).items() if k not in CAPTURE_EXECUTION_FIELDS}
-    return content_key("features", data_key(cfg), capture, cfg.target.name, cfg.target.revision,
-                       cfg.target.gguf_file, cfg.target.dtype, cfg.target.capture_layers)
+def features_key(data_key: str, capture: CaptureConfig, target: TargetConfig) -> str:
+    """What the captured features depend on: the prepared data (its `data_key`), the capture settings, the target
+    and its layers."""
+    fields = {k: v for k, v in dataclasses.asdict(capture).items() if k not in CAPTURE_EXECUTION_FIELDS}
+    return content_key("features", data_key, fields, target.name, target.revision, target.gguf_file, target.dtype,
+                       target.capture_layers)
 
 
 @dataclass(frozen=True)
@@ -82,8 +83,9 @@ class RunLayout:
                 raise ConfigError(f"config field `out`: {cfg.out} is where one stage writes instead, but stages="
                                   f"{list(cfg.stages)}; run that stage alone (stages=[<stage>])")
             stage = cfg.stages[0]
-        return cls(root / cfg.name, root / "store", data_key(cfg), features_key(cfg), stage if cfg.out else None,
-                   Path(cfg.out) if cfg.out else None)
+        data = data_key(cfg.data, cfg.target, cfg.seed, cfg.eval.bench)
+        return cls(root / cfg.name, root / "store", data, features_key(data, cfg.capture, cfg.target),
+                   stage if cfg.out else None, Path(cfg.out) if cfg.out else None)
 
     def _output(self, stage: str, default: Path) -> Path:
         return self.out if self.out_stage == stage else default

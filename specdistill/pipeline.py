@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
-from specdistill.config import RunConfig
+from specdistill.config import RunConfig, TargetConfig
 from specdistill.distributed import (
     is_main_rank,
     launch_device,
@@ -48,14 +48,14 @@ RANK0_ONLY = ("export",)
 class LazyTarget:
     """Loads the target on first use, so stages that do not need it (export) start at once."""
 
-    def __init__(self, cfg: RunConfig):
-        self.cfg = cfg
+    def __init__(self, target_cfg: TargetConfig):
+        self.target_cfg = target_cfg
         self._target: Target | None = None
 
     def get(self) -> Target:
         if self._target is None:
             t0 = time.time()
-            self._target = load_target(self.cfg.target, launch_device())
+            self._target = load_target(self.target_cfg, launch_device())
             log.info("loaded target %s (%d layers, capture %s) on %s in %.1fs", self._target.name,
                      self._target.config.num_hidden_layers, self._target.layer_ids, self._target.model.device,
                      time.time() - t0)
@@ -96,7 +96,7 @@ def run_stages(cfg: RunConfig) -> dict[str, dict] | None:
         write_json(layout.config_file, redacted(cfg))
         write_json(layout.inputs_file, {"data": os.path.relpath(layout.data_dir, cfg.run_root),
                                         "features": os.path.relpath(layout.features_dir, cfg.run_root)})
-    target = LazyTarget(cfg)
+    target = LazyTarget(cfg.target)
     results = {}
     for stage in cfg.stages:
         t0 = time.time()

@@ -71,7 +71,8 @@ def test_two_process_capture_matches_one_process(tmp_path):
 
     one_cfg = small_cfg(tmp_path, name="one")
     make_samples(one_cfg, LENGTHS)
-    single = FeatureStore(capture_run.run(one_cfg, RunLayout.of(one_cfg, "capture"), LazyTarget(one_cfg))["features"])
+    single = FeatureStore(capture_run.run(one_cfg, RunLayout.of(one_cfg, "capture"),
+                                          LazyTarget(one_cfg.target))["features"])
     assert single.source_indices == store.source_indices
     for i in range(len(store)):
         a, b = store.sample(i), single.sample(i)

@@ -97,7 +97,7 @@ def test_store_sample_equals_a_forward_of_that_sample(tmp_path, batch_tokens, ex
     """batch_tokens=1: one sample per forward, so bit-exact; larger: padded batches, fp32 rounding."""
     cfg = small_cfg(tmp_path, dtype="float32", batch_tokens=batch_tokens)
     rows = make_samples(cfg, LENGTHS[:6])
-    lazy = LazyTarget(cfg)
+    lazy = LazyTarget(cfg.target)
     store = FeatureStore(capture_run.run(cfg, RunLayout.of(cfg, "capture"), lazy)["features"])
     target = lazy.get()
     H = target.hidden_size

@@ -49,7 +49,7 @@ LENGTHS = [7, 23, 12, 31, 5, 18, 9, 26, 14, 11, 3, 20]
 
 @pytest.fixture(scope="module")
 def target():
-    lazy = LazyTarget(small_cfg("unused"))
+    lazy = LazyTarget(small_cfg("unused").target)
     lazy.get()
     return lazy
 
@@ -133,7 +133,7 @@ def test_skip_when_same_recapture_when_changed(tmp_path, target):
     assert not capture_run.run(cfg, RunLayout.of(cfg, "capture"), target)["skipped"]
     retrained = small_cfg(tmp_path)  # same name and shapes, other weights
     retrained.target.random.seed = 1
-    assert not capture_run.run(retrained, RunLayout.of(retrained, "capture"), LazyTarget(retrained))["skipped"]
+    assert not capture_run.run(retrained, RunLayout.of(retrained, "capture"), LazyTarget(retrained.target))["skipped"]
     make_samples(cfg, LENGTHS[:4], seed=1)  # fewer shards: the old ones past the end are removed
     result = capture_run.run(cfg, RunLayout.of(cfg, "capture"), target)
     assert result["samples"] == 4

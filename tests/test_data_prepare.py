@@ -47,7 +47,7 @@ PREPARED = ("data.documents.parts=[2,1]",)  # documents of two answers, then one
 def prepared(tmp_path_factory):
     out = tmp_path_factory.mktemp("data")
     cfg = smoke_cfg(out, *PREPARED)
-    target = LazyTarget(cfg)
+    target = LazyTarget(cfg.target)
     summary = run(cfg, RunLayout.of(cfg, "prepare"), target)
     return cfg, out, summary, target.get()
 
@@ -150,7 +150,7 @@ def test_more_conversations_generate_only_the_new_ones(tmp_path):
         """Prepare `count` conversations; returns their rows' provenance and the generate calls (desc, prompts)."""
         nonlocal target
         cfg = smoke_cfg(tmp_path / name, *grow, f"data.synth.num_conversations={count}")
-        target = target or LazyTarget(cfg)
+        target = target or LazyTarget(cfg.target)
         if cache_from:
             shutil.copytree(tmp_path / cache_from / "cache", tmp_path / name / "cache")
         calls = []
@@ -180,7 +180,7 @@ def test_back_translations_come_on_top_and_reuse_every_cached_batch(prepared, tm
     shutil.copytree(out / "cache", copy / "cache")
     cfg2 = smoke_cfg(copy, *PREPARED)
     cfg2.data.synth.back_translations, cfg2.data.synth.back_translation_source = 5, source
-    run(cfg2, RunLayout.of(cfg2, "prepare"), LazyTarget(cfg2))
+    run(cfg2, RunLayout.of(cfg2, "prepare"), LazyTarget(cfg2.target))
     assert len(ResultCache(copy / "cache")) == len(ResultCache(out / "cache")) + 1  # one new batch
     rows2 = [(json.loads(r["messages"]), json.loads(r["provenance"])) for r in load_prepared(copy).samples]
     assert rows2[: len(rows)] == rows
@@ -280,7 +280,7 @@ def test_real_embedded_target_synthesises_and_masks(tmp_path):
             f"out={tmp_path}", "data.synth.num_conversations=4", "data.synth.batch_size=4",
             "data.synth.question_max_tokens=24", "data.synth.answer_max_tokens=16",
             "data.documents.min_chars=20"]))
-    target = LazyTarget(cfg)
+    target = LazyTarget(cfg.target)
     summary = run(cfg, RunLayout.of(cfg, "prepare"), target)
     tok = target.get().tokenizer
     data = load_prepared(tmp_path)

@@ -118,7 +118,7 @@ def test_prepare_regenerates_a_spec_bench_style_file(tmp_path):
         cfg = to_run_config(compose("config", overrides=[
             "+exp=smoke", "data.source=jsonl", f"data.path={source}", f"out={tmp_path / 'out'}",
             "data.generation.max_new_tokens=5", "data.generation.batch_size=4"]))
-    summary = run(cfg, RunLayout.of(cfg, "prepare"), LazyTarget(cfg))
+    summary = run(cfg, RunLayout.of(cfg, "prepare"), LazyTarget(cfg.target))
     assert summary["samples"] == 3 and summary["rejects"] == 0
     data = load_prepared(tmp_path / "out")
     row = data.samples[0]

@@ -178,7 +178,7 @@ def test_sharegpt_rows_are_regenerated_turn_by_turn(tmp_path):
     """data=sharegpt as configured (regenerate=true): the user turns are kept, the answers are the target's."""
     cfg = sharegpt_cfg(CUT, tmp_path / "out", "data.regenerate=true", "data.max_turns=1",
                        "data.generation.max_new_tokens=3", "data.max_reject_share=0.6")
-    summary = run(cfg, RunLayout.of(cfg, "prepare"), LazyTarget(cfg))
+    summary = run(cfg, RunLayout.of(cfg, "prepare"), LazyTarget(cfg.target))
     assert summary["samples"] == 3 and summary["rejects_by_reason"] == {r: 1 for r in FAULTS.values()}
     samples = load_prepared(tmp_path / "out").samples
     for messages, provenance in zip(samples["messages"], samples["provenance"]):
@@ -234,7 +234,7 @@ def test_prepare_drops_benchmark_overlaps_and_does_not_count_them_or_the_cut_tai
     clean = [asking(f"question {i}") for i in range(3)]
     write_array(tmp_path / "chats.json", [clean[0], asking(bench_span(30)), clean[1], clean[2]], cut=True)
     cfg = sharegpt_cfg(tmp_path / "chats.json", tmp_path / "out")
-    summary = run(cfg, RunLayout.of(cfg, "prepare"), LazyTarget(cfg))
+    summary = run(cfg, RunLayout.of(cfg, "prepare"), LazyTarget(cfg.target))
     rejects = read_jsonl(tmp_path / "out" / "rejects.jsonl")
     assert [(r["position"].split(" (")[0], r["reason"]) for r in rejects] == [
         ("record 1", "benchmark_overlap"), ("record 3", "truncated_record")]
@@ -243,11 +243,11 @@ def test_prepare_drops_benchmark_overlaps_and_does_not_count_them_or_the_cut_tai
     assert [json.loads(m) for m in load_prepared(tmp_path / "out").samples["messages"]] == clean[:2]
 
     off = sharegpt_cfg(tmp_path / "chats.json", tmp_path / "off", "data.decontaminate_ngram=0")
-    assert run(off, RunLayout.of(off, "prepare"), LazyTarget(off))["samples"] == 3 and read_jsonl(tmp_path / "off" / "rejects.jsonl")[0][
-        "reason"] == "truncated_record"
+    assert run(off, RunLayout.of(off, "prepare"), LazyTarget(off.target))["samples"] == 3
+    assert read_jsonl(tmp_path / "off" / "rejects.jsonl")[0]["reason"] == "truncated_record"
 
     broken = [[{"role": "user", "content": ""}, {"role": "assistant", "content": "x"}]] * 2
     write_array(tmp_path / "broken.json", [clean[0], *broken, clean[1]], cut=False)
     failing = sharegpt_cfg(tmp_path / "broken.json", tmp_path / "failing")
     with pytest.raises(TooManyRejects, match=r"2 of 4 rows rejected"):
-        run(failing, RunLayout.of(failing, "prepare"), LazyTarget(failing))
+        run(failing, RunLayout.of(failing, "prepare"), LazyTarget(failing.target))

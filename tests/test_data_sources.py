@@ -84,7 +84,7 @@ def test_prepare_a_local_file_as_is_with_rejects(tmp_path):
     source = tmp_path / "chats.jsonl"
     write_broken_file(source, good=40)
     cfg = jsonl_cfg(source, tmp_path / "out")
-    summary = run(cfg, RunLayout.of(cfg, "prepare"), LazyTarget(cfg))
+    summary = run(cfg, RunLayout.of(cfg, "prepare"), LazyTarget(cfg.target))
     assert summary["samples"] == 40 and summary["conversations"] == 48
     rejects = read_jsonl(tmp_path / "out" / "rejects.jsonl")
     assert sorted((int(r["position"].split()[1]), r["reason"]) for r in rejects) == [
@@ -102,7 +102,7 @@ def test_too_many_rejects_fail_with_a_clear_message(tmp_path):
     write_broken_file(source, good=4)
     cfg = jsonl_cfg(source, tmp_path / "out")
     with pytest.raises(TooManyRejects, match=r"8 of 12 rows rejected .*max_reject_share"):
-        run(cfg, RunLayout.of(cfg, "prepare"), LazyTarget(cfg))
+        run(cfg, RunLayout.of(cfg, "prepare"), LazyTarget(cfg.target))
     assert len(read_jsonl(tmp_path / "out" / "rejects.jsonl")) == 8  # kept for the user to look at
     assert not (tmp_path / "out" / "summary.json").exists()
 
@@ -130,8 +130,8 @@ def test_num_proc_gives_the_same_samples(tmp_path):
     write_broken_file(source, good=12)
     one = jsonl_cfg(source, tmp_path / "one", "data.max_reject_share=0.5")
     two = jsonl_cfg(source, tmp_path / "two", "data.max_reject_share=0.5", "data.num_proc=2")
-    run(one, RunLayout.of(one, "prepare"), LazyTarget(one))
-    run(two, RunLayout.of(two, "prepare"), LazyTarget(two))
+    run(one, RunLayout.of(one, "prepare"), LazyTarget(one.target))
+    run(two, RunLayout.of(two, "prepare"), LazyTarget(two.target))
     a, b = load_prepared(tmp_path / "one").samples, load_prepared(tmp_path / "two").samples
     assert a["input_ids"] == b["input_ids"] and a["loss_mask"] == b["loss_mask"]
 
@@ -153,18 +153,18 @@ def test_every_row_bad_writes_the_rejects_and_fails_in_one_line(tmp_path):
     source.write_text("\n".join(unreadable) + "\n")
     cfg = jsonl_cfg(source, tmp_path / "out")
     with pytest.raises(TooManyRejects, match=f"all {len(unreadable)} rows were rejected"):
-        run(cfg, RunLayout.of(cfg, "prepare"), LazyTarget(cfg))
+        run(cfg, RunLayout.of(cfg, "prepare"), LazyTarget(cfg.target))
     assert len(read_jsonl(tmp_path / "out" / "rejects.jsonl")) == len(unreadable)
 
 
 def test_a_missing_or_empty_data_path_is_named(tmp_path):
     cfg = jsonl_cfg(tmp_path / "missing.jsonl", tmp_path / "out")
     with pytest.raises(FileNotFoundError, match=r"`data.path`.*missing.jsonl does not exist"):
-        run(cfg, RunLayout.of(cfg, "prepare"), LazyTarget(cfg))
+        run(cfg, RunLayout.of(cfg, "prepare"), LazyTarget(cfg.target))
     (tmp_path / "empty.jsonl").write_text("\n")
     cfg = jsonl_cfg(tmp_path / "empty.jsonl", tmp_path / "out")
     with pytest.raises(ConfigError, match=r"`data.path`.*empty.jsonl'\] holds no rows"):
-        run(cfg, RunLayout.of(cfg, "prepare"), LazyTarget(cfg))
+        run(cfg, RunLayout.of(cfg, "prepare"), LazyTarget(cfg.target))
 
 
 def test_prompts_past_the_context_are_rejected_before_generation(tmp_path):
@@ -177,7 +177,7 @@ def test_prompts_past_the_context_are_rejected_before_generation(tmp_path):
     source.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = jsonl_cfg(source, tmp_path / "out", "data.regenerate=true", "data.max_length=64",
                     "data.generation.max_new_tokens=4", "data.max_reject_share=0.5")
-    summary = run(cfg, RunLayout.of(cfg, "prepare"), LazyTarget(cfg))
+    summary = run(cfg, RunLayout.of(cfg, "prepare"), LazyTarget(cfg.target))
     rejects = read_jsonl(tmp_path / "out" / "rejects.jsonl")
     assert [(r["position"], r["reason"]) for r in rejects] == [("line 3", "overlong_prompt"),
                                                                 ("line 5", "overlong_prompt")]

@@ -54,7 +54,7 @@ def test_a_missing_engine_says_how_to_install_it_and_exits_2(tmp_path, monkeypat
                         lambda name, *args: None if name == "vllm" else find_spec(name, *args))
     cfg = prepare_cfg(source_file(tmp_path / "chats.jsonl", 2), tmp_path / "out")
     with pytest.raises(SystemExit) as exit_info:
-        exit_on_user_error(lambda: run(cfg, RunLayout.of(cfg, "prepare"), LazyTarget(cfg)))
+        exit_on_user_error(lambda: run(cfg, RunLayout.of(cfg, "prepare"), LazyTarget(cfg.target)))
     assert exit_info.value.code == EXIT_USER_ERROR
     assert "data.generation.backend=vllm: vllm is not installed here; `make engine` installs it" in caplog.text
     assert len(ResultCache(tmp_path / "out" / "cache")) == 0  # nothing generated some other way
@@ -122,7 +122,7 @@ def test_a_worker_killed_mid_chunk_loses_that_chunk_and_the_rerun_ends_as_an_uni
     source = source_file(tmp_path / "chats.jsonl", 10)
     chunks = ("data.generation.chunk_rows=4", "data.documents.share=0.0")  # source rows only: 2 turns each
     uninterrupted = prepare_cfg(source, tmp_path / "whole", *chunks)
-    run(uninterrupted, RunLayout.of(uninterrupted, "prepare"), LazyTarget(uninterrupted))
+    run(uninterrupted, RunLayout.of(uninterrupted, "prepare"), LazyTarget(uninterrupted.target))
 
     cfg = prepare_cfg(source, tmp_path / "killed", *chunks)
     ask, asked, worker = engines.EngineProcess.ask, [], []
@@ -139,7 +139,7 @@ def test_a_worker_killed_mid_chunk_loses_that_chunk_and_the_rerun_ends_as_an_uni
 
     monkeypatch.setattr(engines.EngineProcess, "ask", ask_then_kill_in_the_second_chunk)
     with pytest.raises((EngineError, datasets.exceptions.DatasetGenerationError)) as failure:
-        run(cfg, RunLayout.of(cfg, "prepare"), LazyTarget(cfg))
+        run(cfg, RunLayout.of(cfg, "prepare"), LazyTarget(cfg.target))
     assert "worker exited with code -9" in str(failure.value) + str(failure.value.__cause__)
     assert session_ends(worker[0])  # nothing of the engine is left running
     assert len(ResultCache(tmp_path / "killed" / "cache")) == 4  # chunk 1 kept, chunk 2 lost
@@ -150,7 +150,7 @@ def test_a_worker_killed_mid_chunk_loses_that_chunk_and_the_rerun_ends_as_an_uni
         return ask(self, request)
 
     monkeypatch.setattr(engines.EngineProcess, "ask", ask_counting_prompts)
-    run(cfg, RunLayout.of(cfg, "prepare"), LazyTarget(cfg))
+    run(cfg, RunLayout.of(cfg, "prepare"), LazyTarget(cfg.target))
     assert len(resumed) == 2 * 6  # both turns of the 6 rows after chunk 1, nothing twice
     assert len(ResultCache(tmp_path / "killed" / "cache")) == 10
     assert samples_of(tmp_path / "killed") == samples_of(tmp_path / "whole")

@@ -218,14 +218,14 @@ def test_in_loop_tau_never_runs_on_the_prompts_the_head_is_scored_on(monkeypatch
     monkeypatch.setattr("specdistill.evaluate.run.evaluate_head_tau",
                         lambda head, target, prompts, cfg: seen.append(prompts) or {"tau": 1.0, "tau_copy": 1.0})
     cfg = compose_cfg(tmp_path / "loop", "train.eval_every=2", "eval.limit=16", "eval.loop_limit=4")
-    load_tau_evaluator(cfg, target=None)(None)
+    load_tau_evaluator(cfg.eval, cfg.train.eval_every, target=None)(None)
     scored = {turns[0] for turns in load_prompts("spec_bench", 16)[0]}
     assert len(seen[0]) == 4 and not scored & set(seen[0])
     bench = tmp_path / "three.jsonl"
     bench.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(3)))
     small = compose_cfg(tmp_path / "loop", "train.eval_every=2", f"eval.bench={bench}", "eval.limit=3")
     with pytest.raises(ConfigError, match="outside the 3 evaluated ones"):
-        load_tau_evaluator(small, target=None)
+        load_tau_evaluator(small.eval, small.train.eval_every, target=None)
 
 
 def test_a_served_vocabulary_wider_than_the_target_is_a_config_error(prepared, tmp_path):
@@ -237,7 +237,7 @@ def test_a_served_vocabulary_wider_than_the_target_is_a_config_error(prepared, t
 def test_deepspeed_configs_compose():
     for stage, name in ((2, "zero2"), (3, "zero3")):
         cfg = compose_cfg(Path("/nonexistent/smoke"), f"train.deepspeed={name}", "train.grad_accum=4")
-        ds = deepspeed_config(cfg, "no")
+        ds = deepspeed_config(cfg.train, "no")
         assert ds["zero_optimization"]["stage"] == stage
         assert ds["gradient_accumulation_steps"] == 4 and ds["gradient_clipping"] == 0.5
         assert ds["bf16"] == {"enabled": False}
@@ -247,7 +247,7 @@ def test_deepspeed_without_a_multi_process_launch_is_a_config_error(monkeypatch)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     cfg = compose_cfg(Path("/nonexistent/smoke"), "train.deepspeed=zero2")
     with pytest.raises(ConfigError, match="train.deepspeed=zero2 needs a multi-process launch.*--multi_gpu"):
-        make_accelerator(cfg)
+        make_accelerator(cfg.train)
 
 
 @pytest.mark.slow  # two ranks importing DeepSpeed: ~40 s each

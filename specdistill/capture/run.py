@@ -32,7 +32,7 @@ from specdistill.capture.store import (
     padded_batches,
     plan_shards,
 )
-from specdistill.config import RunConfig
+from specdistill.config import CaptureConfig, RunConfig
 from specdistill.distributed import join_launch
 from specdistill.io import weights_fingerprint
 from specdistill.layout import RunLayout
@@ -128,9 +128,8 @@ def scan_samples(ds, where: Path, vocab_size: int) -> SampleScan:
     return SampleScan(lengths, digest.hexdigest())
 
 
-def store_header(target: Target, cfg: RunConfig, data_fingerprint: str, compute_dtype: torch.dtype) -> dict:
+def store_header(target: Target, capture: CaptureConfig, data_fingerprint: str, compute_dtype: torch.dtype) -> dict:
     """Everything a store's contents depend on; a store whose header differs is captured again."""
-    c = cfg.capture
     return {
         "target_name": target.name,
         "target_revision": target.revision,
@@ -139,11 +138,11 @@ def store_header(target: Target, cfg: RunConfig, data_fingerprint: str, compute_
         "layer_ids": [int(i) for i in target.layer_ids],
         "hidden_size": target.hidden_size,
         "vocab_size": target.vocab_size,
-        "dtype": c.dtype,
-        "teacher": c.teacher,
-        "teacher_topk": c.teacher_topk if c.teacher == "topk" else None,
+        "dtype": capture.dtype,
+        "teacher": capture.teacher,
+        "teacher_topk": capture.teacher_topk if capture.teacher == "topk" else None,
         "data_fingerprint": data_fingerprint,
-        "shard_tokens": c.shard_tokens,
+        "shard_tokens": capture.shard_tokens,
     }
 
 
@@ -197,20 +196,19 @@ def capture_shard(
     ds,
     lengths: list[int],
     runner: TargetRunner,
-    cfg: RunConfig,
+    capture: CaptureConfig,
     device: torch.device,
     bar: tqdm,
 ) -> dict:
     """Forward one shard's samples in right-padded length batches and write the shard."""
-    c = cfg.capture
-    store_dtype = STORE_DTYPES[c.dtype]
+    store_dtype = STORE_DTYPES[capture.dtype]
     pad_id = runner.target.tokenizer.pad_token_id or 0
     writer.begin(shard_id, members)
-    for batch in padded_batches(members, lengths, c.batch_tokens):
+    for batch in padded_batches(members, lengths, capture.batch_tokens):
         rows = ds[batch]
         input_ids_BT, attention_mask_BT = right_padded(rows["input_ids"], pad_id)
         feats = capture_batch(
-            runner, input_ids_BT.to(device), attention_mask_BT.to(device), c.teacher, c.teacher_topk
+            runner, input_ids_BT.to(device), attention_mask_BT.to(device), capture.teacher, capture.teacher_topk
         )
         feats = {k: (v.to(store_dtype) if v.is_floating_point() else v).cpu() for k, v in feats.items()}
         for b, i in enumerate(batch):
@@ -250,7 +248,7 @@ def run(cfg: RunConfig, layout: RunLayout, target) -> dict:
     loaded = target.get()
     scan = scan_samples(ds, where, loaded.vocab_size)
     compute_dtype = resolve_dtype(cfg.capture.target_dtype, device)
-    header = store_header(loaded, cfg, scan.fingerprint, compute_dtype)
+    header = store_header(loaded, cfg.capture, scan.fingerprint, compute_dtype)
     existing = _existing_store(out_dir, header)
     _barrier(world)
     if existing is not None:
@@ -291,7 +289,7 @@ def run(cfg: RunConfig, layout: RunLayout, target) -> dict:
         total=todo_tokens, unit="tok", unit_scale=True, desc=f"capture rank {rank}", position=rank
     ) as bar:
         for k in mine:
-            capture_shard(writer, k, plan[k], ds, scan.lengths, runner, cfg, device, bar)
+            capture_shard(writer, k, plan[k], ds, scan.lengths, runner, cfg.capture, device, bar)
     _barrier(world)
     if rank == 0:
         records = writer.completed()

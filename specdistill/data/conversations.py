@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from specdistill.cache import ResultCache
-from specdistill.config import RunConfig
+from specdistill.config import GenerationConfig, RunConfig, TargetConfig
 from specdistill.data.decontaminate import BenchmarkSpans, decontaminated_against
 from specdistill.data.documents import answers_needed, document_tasks, documents_wanted
 from specdistill.data.generate import LocalGenerator
@@ -39,18 +39,21 @@ def generation_model(target: Target, dtype_name: str) -> torch.nn.Module:
     return model
 
 
-def local_generator(cfg: RunConfig, tgt: Target, chat: ChatFormat, batch_size: int) -> LocalGenerator:
-    return LocalGenerator(generation_model(tgt, cfg.data.generation.dtype), tgt.tokenizer.pad_token_id,
+def local_generator(dtype_name: str, tgt: Target, chat: ChatFormat, batch_size: int) -> LocalGenerator:
+    """Our decode loop over the target in `dtype_name` (`data.generation.dtype`)."""
+    return LocalGenerator(generation_model(tgt, dtype_name), tgt.tokenizer.pad_token_id,
                           chat.stop_token_ids(), batch_size, num_tokens=len(tgt.tokenizer))
 
 
-def _vllm_generator(cfg: RunConfig, tgt: Target, chat: ChatFormat, rank: int, log_dir: Path) -> VllmGenerator:
+def _vllm_generator(generation: GenerationConfig, target_cfg: TargetConfig, engine_python_setting: str | None,
+                    tgt: Target, chat: ChatFormat, rank: int, log_dir: Path) -> VllmGenerator:
     """vLLM serving the target's folder in the generation dtype, on this rank's device, stopping where our decode
-    loop stops. The engine's interpreter is the evaluation's (`eval.engine.python`, else `.engine/`)."""
+    loop stops. The engine's interpreter is the evaluation's (`engine_python_setting`: `eval.engine.python`, else
+    `.engine/`)."""
     device = next(tgt.model.parameters()).device
-    python = engine_python("vllm", cfg.eval.engine.python, "data.generation.backend=vllm")
-    return VllmGenerator(served_dir(cfg.target), python, resolve_dtype(cfg.data.generation.dtype, device),
-                         tgt.config.max_position_embeddings, chat.stop_token_ids(), cfg.data.generation.batch_size,
+    python = engine_python("vllm", engine_python_setting, "data.generation.backend=vllm")
+    return VllmGenerator(served_dir(target_cfg), python, resolve_dtype(generation.dtype, device),
+                         tgt.config.max_position_embeddings, chat.stop_token_ids(), generation.batch_size,
                          len(tgt.tokenizer), tgt.vocab_size, device,
                          log_dir / f"regenerate.rank{rank}.log")
 
@@ -71,7 +74,7 @@ class SourceConversations:
         self.regenerated = 0  # conversations yielded (rank 0)
         self.long_answers: list[tuple[str, str]] = []  # (position, cache key) of those with a document-long answer
         self.paths = source_paths(cfg.data)  # a missing package fails here, before any row is read
-        bench = decontaminated_against(cfg)
+        bench = decontaminated_against(cfg.data, cfg.eval.bench)
         self.benchmark = None if bench is None else BenchmarkSpans(bench, tgt.tokenizer, cfg.data.decontaminate_ngram)
         generation = cfg.data.generation
         self.params = sampling_params(generation, generation.backend)
@@ -82,8 +85,9 @@ class SourceConversations:
             self.backend = OpenAIBackend(generation, cfg.target.name)
         else:
             if generation.backend == "vllm":
-                self.engine = _vllm_generator(cfg, tgt, chat, rank, engine_log_dir or Path("."))
-            generator = self.engine or local_generator(cfg, tgt, chat, generation.batch_size)
+                self.engine = _vllm_generator(generation, cfg.target, cfg.eval.engine.python, tgt, chat, rank,
+                                              engine_log_dir or Path("."))
+            generator = self.engine or local_generator(generation.dtype, tgt, chat, generation.batch_size)
             self.backend = LocalBackend(generator, chat, generation, cfg.seed, max_prompt_tokens=cfg.data.max_length)
 
     def __iter__(self) -> Iterator[dict]:

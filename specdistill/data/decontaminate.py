@@ -12,6 +12,7 @@ first row.
 
 from __future__ import annotations
 
+from specdistill.config import DataConfig
 from specdistill.data.rejects import RowError
 from specdistill.evaluate.bench import is_test_row, load_items
 
@@ -50,7 +51,7 @@ class BenchmarkSpans:
         return None
 
 
-def decontaminated_against(cfg) -> str | None:
-    """The benchmark whose spans read sources are checked against; None when none is (self-synthesis reads
-    nothing, and `data.decontaminate_ngram=0` turns the check off). `cfg`: a RunConfig."""
-    return cfg.eval.bench if cfg.data.source != "synth" and cfg.data.decontaminate_ngram else None
+def decontaminated_against(data: DataConfig, eval_bench: str) -> str | None:
+    """The benchmark (`eval_bench`, the one the run is evaluated on) whose spans read sources are checked against;
+    None when none is (self-synthesis reads nothing, and `data.decontaminate_ngram=0` turns the check off)."""
+    return eval_bench if data.source != "synth" and data.decontaminate_ngram else None

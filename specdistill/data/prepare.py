@@ -34,7 +34,7 @@ import datasets
 import torch
 
 from specdistill.cache import ResultCache
-from specdistill.config import ConfigError, RunConfig
+from specdistill.config import ConfigError, DataConfig, RunConfig
 from specdistill.data.conversations import SourceConversations, local_generator
 from specdistill.data.decontaminate import decontaminated_against
 from specdistill.data.rejects import RejectLog, RowError, TooManyRejects
@@ -107,9 +107,9 @@ def run(cfg: RunConfig, layout: RunLayout, target) -> dict:
     if cfg.data.source == "synth":
         if rank != 0:  # synthesis is one sampling stream; the other ranks wait for its result
             return _wait_for_rank0(data_dir)
-        synthesized, collect_rejects = synthesize(local_generator(cfg, tgt, chat, cfg.data.synth.batch_size), chat,
-                                                  cfg.data.synth, cfg.data.documents, cfg.data.generation, cache,
-                                                  cfg.target.name, cfg.seed)
+        generator = local_generator(cfg.data.generation.dtype, tgt, chat, cfg.data.synth.batch_size)
+        synthesized, collect_rejects = synthesize(generator, chat, cfg.data.synth, cfg.data.documents,
+                                                  cfg.data.generation, cache, cfg.target.name, cfg.seed)
         stream, counted = iter(synthesized), RejectLog()  # synthesis filters are not bad input
     else:
         sources = SourceConversations(cfg, tgt, chat, cache, rank, world, data_dir / "engine")
@@ -122,7 +122,7 @@ def run(cfg: RunConfig, layout: RunLayout, target) -> dict:
         counted = collect_rejects
     first = next(stream, None)  # read here, not inside `from_generator`, whose wrapper hides the cause
     if first is None:
-        _no_usable_rows(cfg, data_dir, collect_rejects, 0 if cfg.data.source == "synth" else sources.total)
+        _no_usable_rows(cfg.data, data_dir, collect_rejects, 0 if cfg.data.source == "synth" else sources.total)
     build_dir = data_dir / ".build"  # Arrow files of the conversations and tokenized rows, until saved
     shutil.rmtree(build_dir, ignore_errors=True)
     conversations = datasets.Dataset.from_generator(
@@ -132,7 +132,7 @@ def run(cfg: RunConfig, layout: RunLayout, target) -> dict:
     timings["conversations_s"] = time.time() - t0
 
     t0 = time.time()
-    samples, tok_rejects = tokenize_conversations(conversations, chat, cfg)
+    samples, tok_rejects = tokenize_conversations(conversations, chat, cfg.data)
     timings["tokenize_s"] = time.time() - t0
 
     t0 = time.time()
@@ -165,12 +165,12 @@ def run(cfg: RunConfig, layout: RunLayout, target) -> dict:
     return summary
 
 
-def _no_usable_rows(cfg: RunConfig, data_dir: Path, rejects: RejectLog, total_rows: int) -> NoReturn:
+def _no_usable_rows(data: DataConfig, data_dir: Path, rejects: RejectLog, total_rows: int) -> NoReturn:
     """Not one conversation to tokenize: say why, with every reject written for the user to read."""
-    if cfg.data.source != "synth" and total_rows == 0:
-        raise ConfigError(f"config field `data.path`: {source_paths(cfg.data)} holds no rows")
+    if data.source != "synth" and total_rows == 0:
+        raise ConfigError(f"config field `data.path`: {source_paths(data)} holds no rows")
     rejects.write(data_dir / "rejects.jsonl")
-    what = "synthesis kept no conversation" if cfg.data.source == "synth" else f"all {total_rows} rows were rejected"
+    what = "synthesis kept no conversation" if data.source == "synth" else f"all {total_rows} rows were rejected"
     raise TooManyRejects(f"{what} ({rejects.by_reason()}); see {data_dir / 'rejects.jsonl'}")
 
 
@@ -198,11 +198,10 @@ def _tokenize_row(row: dict, chat: ChatFormat, max_length: int, overlong: str, l
 
 
 def tokenize_conversations(rows: datasets.Dataset, chat: ChatFormat,
-                           cfg: RunConfig) -> tuple[datasets.Dataset, RejectLog]:
+                           data: DataConfig) -> tuple[datasets.Dataset, RejectLog]:
     """Tokenize {messages, provenance} rows with `datasets.map` (num_proc, on disk); rejected rows are split off."""
     features = datasets.Features({**SAMPLE_FEATURES, "truncated": datasets.Value("bool"),
                                   "reject": datasets.Value("string")})
-    data = cfg.data
     mapped = rows.map(_tokenize_row, features=features, num_proc=data.num_proc if len(rows) > 1 else None,
                       fn_kwargs={"chat": chat, "max_length": data.max_length, "overlong": data.overlong,
                                  "last_turn_only": data.last_turn_only},
@@ -248,7 +247,7 @@ def _summary(cfg: RunConfig, want: str, lengths: dict, vocab: DraftVocab, reject
         "loss_tokens": int(vocab.counts_V.sum()),
         "rejects": len(rejects),
         "rejects_by_reason": rejects.by_reason(),
-        "decontamination": _decontamination(cfg, rejects),
+        "decontamination": _decontamination(cfg.data, cfg.eval.bench, rejects),
         "draft_vocab_size": vocab.size,
         "distinct_loss_tokens": int((vocab.counts_V > 0).sum()),
         "coverage": round(vocab.coverage, 6),
@@ -256,10 +255,10 @@ def _summary(cfg: RunConfig, want: str, lengths: dict, vocab: DraftVocab, reject
     }
 
 
-def _decontamination(cfg: RunConfig, rejects: RejectLog) -> dict | None:
+def _decontamination(data: DataConfig, eval_bench: str, rejects: RejectLog) -> dict | None:
     """What decontamination checked against and how many conversations it dropped; None where it did not run."""
-    bench = decontaminated_against(cfg)
+    bench = decontaminated_against(data, eval_bench)
     if bench is None:
         return None
     dropped = sum(r["reason"] == "benchmark_overlap" for r in rejects.rows)
-    return {"bench": bench, "ngram": cfg.data.decontaminate_ngram, "dropped": dropped}
+    return {"bench": bench, "ngram": data.decontaminate_ngram, "dropped": dropped}

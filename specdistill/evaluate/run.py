@@ -189,13 +189,13 @@ def _timed(device: torch.device, fn, *args):
     return result, time.perf_counter() - t0
 
 
-def evaluation_fingerprint(cfg: RunConfig, target: Target, head) -> str:
+def evaluation_fingerprint(ev: EvalConfig, seed: int, target: Target, head) -> str:
     """Everything a batch's results depend on besides its prompts; a killed evaluation re-uses a finished
     batch only where all of it matches (the slice size and the serving-advice settings do not enter)."""
-    ev = {k: v for k, v in asdict(cfg.eval).items() if k not in ("limit", "advice", "loop_limit", "loop_max_new_tokens")}
+    fields = {k: v for k, v in asdict(ev).items() if k not in ("limit", "advice", "loop_limit", "loop_max_new_tokens")}
     parameter = next(target.model.parameters())
-    return content_key("evaluate", ev, target.name, target.revision, weights_fingerprint(target.model),
-                       weights_fingerprint(head), str(parameter.dtype), parameter.device.type, cfg.seed)
+    return content_key("evaluate", fields, target.name, target.revision, weights_fingerprint(target.model),
+                       weights_fingerprint(head), str(parameter.dtype), parameter.device.type, seed)
 
 
 def decode_batch(target: Target, runner: TargetRunner, proposers: dict, ids: list[list[int]], ev: EvalConfig,
@@ -220,7 +220,7 @@ def generation_stats(record: dict) -> GenerationStats:
     return GenerationStats(**{**fields, "hits": [tuple(h) for h in fields["hits"]]})
 
 
-def decode_shared(cfg: RunConfig, target: Target, head, proposers: dict, items: list[list[str]],
+def decode_shared(ev: EvalConfig, seed: int, target: Target, head, proposers: dict, items: list[list[str]],
                   out_dir: Path) -> tuple[list[tuple[int, list[int]]], dict[int, dict], dict]:
     """Decode every batch, shared between the ranks: rank r takes every N-th batch of each turn, and after each
     turn the ranks swap their records (a later turn asks after the target's own earlier answers). Each finished
@@ -228,10 +228,10 @@ def decode_shared(cfg: RunConfig, target: Target, head, proposers: dict, items: 
     file is read), so a killed evaluation resumes at the batches it had not finished, under any number of ranks.
     Returns the batches (turn, item indices), each batch's {"ids", "record"} on every rank, and
     {"resumed": batches taken from the cache, "prompts_per_rank": [...]}."""
-    ev, (rank, world) = cfg.eval, rank_and_world()
+    rank, world = rank_and_world()
     runner, sampling = TargetRunner(target), Sampling(ev.temperature, ev.top_k, ev.top_p)
     done = ResultCache(out_dir / PARTIAL, f"rank{rank}", stem="batches")
-    fingerprint = evaluation_fingerprint(cfg, target, head)
+    fingerprint = evaluation_fingerprint(ev, seed, target, head)
     batches = list(turn_batches(items, ev.batch_size))
     decoded, answers, resumed, prompts = {}, [[] for _ in items], 0, 0
     bar = tqdm(total=sum(len(chunk) for _, chunk in batches[rank::world]), unit="prompt", position=rank,
@@ -273,7 +273,7 @@ def evaluate(cfg: RunConfig, target: Target, head, out_dir: Path, head_path: str
     kernels.set_backend(ev.kernels)
     device = next(target.model.parameters()).device
     head = head.to(device=device, dtype=target.model.dtype).eval()
-    fingerprint = content_key(evaluation_fingerprint(cfg, target, head), asdict(ev))
+    fingerprint = content_key(evaluation_fingerprint(ev, cfg.seed, target, head), asdict(ev))
     done = json.loads((out_dir / "report.json").read_text()) if (out_dir / "report.json").exists() else {}
     if done.get("fingerprint") == fingerprint:
         log.info("%s already holds this evaluation (the same head, target and settings): kept; remove it to measure "
@@ -281,7 +281,7 @@ def evaluate(cfg: RunConfig, target: Target, head, out_dir: Path, head_path: str
         return done if rank_and_world()[0] == 0 else None
     items, categories = load_prompts(ev.bench, ev.limit, ev.max_turns, ev.split)
     proposers = drafters(head, target, ev)
-    batches, decoded, sharing = decode_shared(cfg, target, head, proposers, items, out_dir)
+    batches, decoded, sharing = decode_shared(ev, cfg.seed, target, head, proposers, items, out_dir)
     if rank_and_world()[0] != 0:
         return None
     tallies = {name: Tally(depth) for name, (_, depth) in proposers.items()}

@@ -9,17 +9,17 @@ from pathlib import Path
 
 import torch
 
-from specdistill.config import ConfigError, RunConfig
+from specdistill.config import ConfigError, TrainConfig
 from specdistill.target import bf16_is_native
 
 DEEPSPEED_DIR = Path(__file__).parent / "deepspeed"
 
 
-def deepspeed_config(cfg: RunConfig, precision: str) -> dict:
+def deepspeed_config(train: TrainConfig, precision: str) -> dict:
     """deepspeed/<name>.json (beside this file) completed from the train config (accumulation, clipping, precision)."""
-    ds = json.loads((DEEPSPEED_DIR / f"{cfg.train.deepspeed}.json").read_text())
-    ds.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=cfg.train.grad_accum,
-              gradient_clipping=cfg.train.grad_clip)
+    ds = json.loads((DEEPSPEED_DIR / f"{train.deepspeed}.json").read_text())
+    ds.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=train.grad_accum,
+              gradient_clipping=train.grad_clip)
     ds["bf16"] = {"enabled": precision == "bf16"}
     return ds
 
@@ -34,19 +34,19 @@ def resolve_precision(precision: str, deepspeed: str | None) -> str:
     return "bf16" if deepspeed is None and bf16_is_native("cpu") else "no"
 
 
-def make_accelerator(cfg: RunConfig):
+def make_accelerator(train: TrainConfig):
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
 
-    if cfg.train.deepspeed and "LOCAL_RANK" not in os.environ:
-        raise ConfigError(f"train.deepspeed={cfg.train.deepspeed} needs a multi-process launch, e.g. `accelerate "
+    if train.deepspeed and "LOCAL_RANK" not in os.environ:
+        raise ConfigError(f"train.deepspeed={train.deepspeed} needs a multi-process launch, e.g. `accelerate "
                           "launch --multi_gpu --num_processes 2 train.py ...` (--multi_gpu also on a CPU-only "
                           "machine: without it accelerate starts a single process)")
-    precision = resolve_precision(cfg.train.mixed_precision, cfg.train.deepspeed)
-    plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(cfg, precision)) if cfg.train.deepspeed else None
+    precision = resolve_precision(train.mixed_precision, train.deepspeed)
+    plugin = DeepSpeedPlugin(hf_ds_config=deepspeed_config(train, precision)) if train.deepspeed else None
     # `cpu=True` would make accelerate drop DeepSpeed for plain DDP: on a CPU-only machine DeepSpeed finds
     # no GPU by itself and runs on the CPU over gloo
-    return Accelerator(mixed_precision=precision, gradient_accumulation_steps=cfg.train.grad_accum,
+    return Accelerator(mixed_precision=precision, gradient_accumulation_steps=train.grad_accum,
                        deepspeed_plugin=plugin, cpu=not torch.cuda.is_available() and plugin is None)
 
 

@@ -22,7 +22,7 @@ from torch import nn
 from tqdm import tqdm
 
 from specdistill.capture.store import FeatureStore
-from specdistill.config import ConfigError, RunConfig
+from specdistill.config import ConfigError, EvalConfig, RunConfig, WandbConfig
 from specdistill.data.vocab import DraftVocab, build_draft_vocab
 from specdistill.distributed import rank_and_world
 from specdistill.evaluate import metrics
@@ -61,7 +61,7 @@ class TTTModel(nn.Module):
         return unroll_ttt(self.head, batch, teacher, self.steps, self.step_weight, self.loss_fn)
 
 
-def load_tau_evaluator(cfg: RunConfig, target: Target):
+def load_tau_evaluator(ev: EvalConfig, eval_every: int, target: Target):
     """`head -> {"tau": ..., "tau_copy": ...}`: the evaluation stage's tree-verified greedy tau on
     `eval.loop_limit` first turns of the `eval.bench` rows outside the evaluated slice, so the best head is
     never chosen on the prompts it is finally scored on (imported lazily: evaluation pulls in the decoding
@@ -69,11 +69,11 @@ def load_tau_evaluator(cfg: RunConfig, target: Target):
     from specdistill.evaluate.bench import held_out_prompts
     from specdistill.evaluate.run import evaluate_head_tau
 
-    prompts = held_out_prompts(cfg.eval.bench, cfg.eval.limit, cfg.eval.loop_limit)
+    prompts = held_out_prompts(ev.bench, ev.limit, ev.loop_limit)
     if not prompts:
-        raise ConfigError(f"train.eval_every={cfg.train.eval_every} needs rows of eval.bench={cfg.eval.bench} "
-                          f"outside the {cfg.eval.limit} evaluated ones (eval.limit); the benchmark has none left")
-    return lambda head: evaluate_head_tau(head, target, prompts, cfg.eval)
+        raise ConfigError(f"train.eval_every={eval_every} needs rows of eval.bench={ev.bench} "
+                          f"outside the {ev.limit} evaluated ones (eval.limit); the benchmark has none left")
+    return lambda head: evaluate_head_tau(head, target, prompts, ev)
 
 
 @dataclass
@@ -94,7 +94,7 @@ class Trainer:
         """`tau_evaluator(head) -> {"tau": ..., "tau_copy": ...}` runs every `train.eval_every` steps (default:
         the evaluation stage's `evaluate_head_tau` on `eval.bench` rows outside the scored slice)."""
         self.cfg, self.layout = cfg, layout
-        self.accelerator = make_accelerator(cfg)
+        self.accelerator = make_accelerator(cfg.train)
         self.rank, self.world = rank_and_world()
         self.device = self.accelerator.device
         vocab = DraftVocab.load(layout.vocab_file)
@@ -105,7 +105,7 @@ class Trainer:
             store = FeatureStore(layout.features_dir)
             store.check_compatible(target.name, list(target.layer_ids), target.hidden_size, cfg.capture.teacher)
             self.source = StoreSource(store)
-        self.fingerprint = train_fingerprint(cfg, layout, target)
+        self.fingerprint = train_fingerprint(cfg.train, cfg.head, cfg.capture, cfg.seed, layout, target)
         self.checkpoints = CheckpointManager(layout, self.accelerator, self.rank, self.world, self.fingerprint,
                                              cfg.name, cfg.train.keep_last)
         if cfg.restart:
@@ -139,7 +139,7 @@ class Trainer:
         self.zero3 = cfg.train.deepspeed == "zero3"
         self.tau_evaluator = tau_evaluator
         if cfg.train.eval_every > 0 and tau_evaluator is None:
-            self.tau_evaluator = load_tau_evaluator(cfg, target)
+            self.tau_evaluator = load_tau_evaluator(cfg.eval, cfg.train.eval_every, target)
         self.state = TrainState(world=self.world)
         self.history: list[dict] = []
         self.consumed: list[dict] = []  # epoch and sample ids of each micro-batch this process trained on
@@ -284,7 +284,7 @@ class Trainer:
     def fit(self) -> dict:
         cfg = self.cfg
         self.maybe_resume()
-        wandb_run = start_wandb(cfg, self.layout.run_dir, self.rank)
+        wandb_run = start_wandb(cfg.wandb, cfg.name, redacted(cfg), self.layout.run_dir, self.rank)
         bar = tqdm(total=self.total_steps, initial=self.state.step, desc="train", disable=self.rank != 0)
         t0, tokens = time.time(), 0
         while self.state.step < self.total_steps:
@@ -372,13 +372,15 @@ class Trainer:
                 **{k: v for k, v in last.items() if k.startswith("holdout/")}}
 
 
-def start_wandb(cfg: RunConfig, run_dir: Path, rank: int):
-    if cfg.wandb.mode == "disabled" or rank != 0:
+def start_wandb(wandb_cfg: WandbConfig, name: str, run_config: dict, run_dir: Path, rank: int):
+    """The W&B run of run `name` on rank 0, recording `run_config` (the redacted run config); None elsewhere or
+    with `wandb.mode=disabled`."""
+    if wandb_cfg.mode == "disabled" or rank != 0:
         return None
     import wandb
 
-    return wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.name, mode=cfg.wandb.mode,
-                      dir=str(run_dir), config=redacted(cfg), reinit="finish_previous")
+    return wandb.init(project=wandb_cfg.project, entity=wandb_cfg.entity, name=name, mode=wandb_cfg.mode,
+                      dir=str(run_dir), config=run_config, reinit="finish_previous")
 
 
 def copy_tokens(batch: TTTBatch) -> torch.Tensor:
