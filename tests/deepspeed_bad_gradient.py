@@ -9,6 +9,7 @@ from test_train import compose_cfg
 
 from specdistill.distributed import leave_launch, rank_and_world
 from specdistill.layout import RunLayout
+from specdistill.redact import redacted
 from specdistill.target import load_target
 from specdistill.train.trainer import Trainer
 
@@ -27,7 +28,7 @@ def main(run_dir: Path, overrides: list[str]) -> None:
         return grad * float("inf") if rank == 1 and calls == POISONED_CALL else grad
 
     trainer.head.fc.weight.register_hook(poison)
-    trainer.fit()
+    trainer.fit(redacted(cfg))
     report = {"world": world, "skipped": trainer.state.skipped, "steps": trainer.state.step}
     (run_dir / f"bad-gradient-rank-{rank}.json").write_text(json.dumps(report))
     leave_launch()

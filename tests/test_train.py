@@ -23,6 +23,7 @@ from specdistill.heads.build import build_head
 from specdistill.heads.checkpoint import load_head
 from specdistill.heads.copy_init import copy_query_heads, fast_dims
 from specdistill.layout import RunLayout
+from specdistill.redact import redacted
 from specdistill.target import load_target
 from specdistill.train.accelerator import deepspeed_config, make_accelerator
 from specdistill.train.curves import moving_average
@@ -121,7 +122,7 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(prepared, tmp_path):
                       "train.max_steps=40", "train.grad_clip=1e30")
     trainer = Trainer(cfg, RunLayout.of(cfg), load_target(cfg.target))
     with pytest.raises(RuntimeError, match=r"3 non-finite steps in a row \(train.max_bad_steps=3\)"):
-        trainer.fit()
+        trainer.fit(redacted(cfg))
     assert trainer.state.skipped == 3 and trainer.state.bad_in_row == 3
     assert 0 < trainer.state.step < 40  # some steps were applied before the loss blew up
     params = [p for p in trainer.head.parameters() if p.requires_grad]
@@ -144,7 +145,7 @@ def test_online_features_match_the_store_and_train(prepared, tmp_path):
         # the store holds bf16 copies of the same tensors
         torch.testing.assert_close(a["aux"].to(torch.bfloat16).float(), b["aux"].float(), atol=1e-2, rtol=1e-2)
         torch.testing.assert_close(a["last"].to(torch.bfloat16).float(), b["last"].float(), atol=1e-2, rtol=1e-2)
-    result = Trainer(cfg, RunLayout.of(cfg), target).fit()
+    result = Trainer(cfg, RunLayout.of(cfg), target).fit(redacted(cfg))
     assert result["steps"] == 3 and (run_dir / "ckpt" / "final" / "head.safetensors").exists()
     assert_copy_queries_kept_off_fast_pairs(load_head(run_dir / "ckpt" / "final"))
     assert not layout.features_dir.exists()  # online: nothing was stored
@@ -160,7 +161,7 @@ def test_a_frozen_lm_head_stays_the_targets_rows_while_the_rest_trains(prepared,
     target_rows = target.model.get_output_embeddings().weight.detach()[draft_ids].to(head.lm_head.weight.dtype)
     fc_before = head.fc.weight.detach().clone()
     assert torch.equal(head.lm_head.weight, target_rows)
-    assert trainer.fit()["steps"] == 3
+    assert trainer.fit(redacted(cfg))["steps"] == 3
     assert torch.equal(head.lm_head.weight, target_rows)
     assert not torch.equal(head.fc.weight, fc_before)
     with pytest.raises(ConfigError, match="head.freeze_lm_head"):
@@ -181,7 +182,7 @@ def test_in_loop_tau_keeps_the_best_head_and_packing_trains(prepared, tmp_path):
     trainer = Trainer(cfg, RunLayout.of(cfg), load_target(cfg.target), tau_evaluator=tau_of)
     plan = trainer.my_batches(0)
     assert all(len(batch) == 1 for batch in plan) and any(len(batch[0]) > 1 for batch in plan)  # packed rows
-    trainer.fit()
+    trainer.fit(redacted(cfg))
     history = json.loads((run_dir / "train" / "history.json").read_text())
     # the in-loop tau scores what is served: the head widened past its 256 trained draft tokens (smoke: 320)
     assert [h.get("tau") for h in history] == [None, 1.5, None, 2.0, None, 1.8] and calls == [(False, 320)] * 3

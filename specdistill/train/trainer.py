@@ -281,10 +281,11 @@ class Trainer:
             out.update({f"holdout/{kind}acc{j}": float(a) for j, a in enumerate(step_acc)})
         return out
 
-    def fit(self) -> dict:
+    def fit(self, recorded_config: dict) -> dict:
+        """Train to `train.max_steps` (resuming where a killed run stopped); W&B records `recorded_config`."""
         cfg = self.cfg
         self.maybe_resume()
-        wandb_run = start_wandb(cfg.wandb, cfg.name, redacted(cfg), self.layout.run_dir, self.rank)
+        wandb_run = start_wandb(cfg.wandb, cfg.name, recorded_config, self.layout.run_dir, self.rank)
         bar = tqdm(total=self.total_steps, initial=self.state.step, desc="train", disable=self.rank != 0)
         t0, tokens = time.time(), 0
         while self.state.step < self.total_steps:
@@ -396,4 +397,4 @@ def copy_tokens(batch: TTTBatch) -> torch.Tensor:
 
 
 def run(cfg: RunConfig, layout: RunLayout, target) -> dict:
-    return Trainer(cfg, layout, target.get()).fit()
+    return Trainer(cfg, layout, target.get()).fit(redacted(cfg))
