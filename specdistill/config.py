@@ -331,9 +331,6 @@ def _check_data(cfg: RunConfig) -> None:
     data, gen, synth, docs = cfg.data, cfg.data.generation, cfg.data.synth, cfg.data.documents
     if data.source in ("jsonl", "hf"):
         check(data.path is not None, "data.path", f"is required when data.source={data.source}")
-    check(gen.backend != "vllm" or data.source != "synth", "data.generation.backend",
-          "vllm regenerates given conversations (data.source=jsonl, hf or sharegpt); synthesis runs our own decode "
-          "loop (backend=local)")
     if gen.backend == "openai" and data.regenerate:
         check(gen.server_url is not None, "data.generation.server_url", "is required for backend=openai")
     for i, template in enumerate(docs.prompts):

@@ -1,7 +1,7 @@
 """Regeneration through vLLM (`data.generation.backend=vllm`): a missing engine stops the stage with how to install
 it; with the engine, the cache records and samples have the local backend's format, the float32 answers are the
-local backend's, and a worker killed mid-chunk loses only that chunk, the rerun ending where an uninterrupted run
-ends. The engine tests are slow (`make test SLOW=1`)."""
+local backend's, a worker killed mid-chunk loses only that chunk, the rerun ending where an uninterrupted run
+ends, and synthesis runs in the engine too. The engine tests are slow (`make test SLOW=1`)."""
 
 import json
 import os
@@ -154,3 +154,20 @@ def test_a_worker_killed_mid_chunk_loses_that_chunk_and_the_rerun_ends_as_an_uni
     assert len(resumed) == 2 * 6  # both turns of the 6 rows after chunk 1, nothing twice
     assert len(ResultCache(tmp_path / "killed" / "cache")) == 10
     assert samples_of(tmp_path / "killed") == samples_of(tmp_path / "whole")
+
+
+@pytest.mark.slow
+def test_synthesis_runs_in_vllm_and_a_rerun_reuses_every_batch(tmp_path, monkeypatch, engine_ready):
+    register()
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = to_run_config(compose("config", overrides=[
+            "+exp=smoke", f"out={tmp_path / 'out'}", "data.generation.backend=vllm", "data.generation.dtype=float32"]))
+    run(cfg, RunLayout.of(cfg, "prepare"), LazyTarget(cfg.target))
+    samples = samples_of(tmp_path / "out")
+    assert len(samples) >= cfg.data.synth.num_conversations // 2  # questions and answers made by the engine
+    assert "vLLM" in (tmp_path / "out" / "engine" / "regenerate.rank0.log").read_text()
+    (tmp_path / "out" / "summary.json").unlink()  # prepared again from the cache: the engine is not asked
+    asked = []
+    monkeypatch.setattr(engines.EngineProcess, "ask", lambda self, request: asked.append(request))
+    run(cfg, RunLayout.of(cfg, "prepare"), LazyTarget(cfg.target))
+    assert asked == [] and samples_of(tmp_path / "out") == samples

@@ -45,15 +45,15 @@ def local_generator(dtype_name: str, tgt: Target, chat: ChatFormat, batch_size: 
                           chat.stop_token_ids(), batch_size, num_tokens=len(tgt.tokenizer))
 
 
-def _vllm_generator(generation: GenerationConfig, target_cfg: TargetConfig, engine_python_setting: str | None,
-                    tgt: Target, chat: ChatFormat, rank: int, log_dir: Path) -> VllmGenerator:
-    """vLLM serving the target's folder in the generation dtype, on this rank's device, stopping where our decode
-    loop stops. The engine's interpreter is the evaluation's (`engine_python_setting`: `eval.engine.python`, else
-    `.engine/`)."""
+def vllm_generator(generation: GenerationConfig, target_cfg: TargetConfig, engine_python_setting: str | None,
+                   tgt: Target, chat: ChatFormat, rank: int, log_dir: Path, batch_size: int) -> VllmGenerator:
+    """vLLM serving the target's folder in the generation dtype, on this rank's device, `batch_size` sequences at a
+    time, stopping where our decode loop stops. The engine's interpreter is the evaluation's
+    (`engine_python_setting`: `eval.engine.python`, else `.engine/`)."""
     device = next(tgt.model.parameters()).device
     python = engine_python("vllm", engine_python_setting, "data.generation.backend=vllm")
     return VllmGenerator(served_dir(target_cfg), python, resolve_dtype(generation.dtype, device),
-                         tgt.config.max_position_embeddings, chat.stop_token_ids(), generation.batch_size,
+                         tgt.config.max_position_embeddings, chat.stop_token_ids(), batch_size,
                          len(tgt.tokenizer), tgt.vocab_size, device,
                          log_dir / f"regenerate.rank{rank}.log")
 
@@ -85,8 +85,8 @@ class SourceConversations:
             self.backend = OpenAIBackend(generation, cfg.target.name)
         else:
             if generation.backend == "vllm":
-                self.engine = _vllm_generator(generation, cfg.target, cfg.eval.engine.python, tgt, chat, rank,
-                                              engine_log_dir or Path("."))
+                self.engine = vllm_generator(generation, cfg.target, cfg.eval.engine.python, tgt, chat, rank,
+                                             engine_log_dir or Path("."), generation.batch_size)
             generator = self.engine or local_generator(generation.dtype, tgt, chat, generation.batch_size)
             self.backend = LocalBackend(generator, chat, generation, cfg.seed, max_prompt_tokens=cfg.data.max_length)
 

@@ -35,7 +35,7 @@ import torch
 
 from specdistill.cache import ResultCache
 from specdistill.config import ConfigError, DataConfig, RunConfig
-from specdistill.data.conversations import SourceConversations, local_generator
+from specdistill.data.conversations import SourceConversations, local_generator, vllm_generator
 from specdistill.data.decontaminate import decontaminated_against
 from specdistill.data.rejects import RejectLog, RowError, TooManyRejects
 from specdistill.data.sources import source_paths
@@ -107,9 +107,16 @@ def run(cfg: RunConfig, layout: RunLayout, target) -> dict:
     if cfg.data.source == "synth":
         if rank != 0:  # synthesis is one sampling stream; the other ranks wait for its result
             return _wait_for_rank0(data_dir)
-        generator = local_generator(cfg.data.generation.dtype, tgt, chat, cfg.data.synth.batch_size)
-        synthesized, collect_rejects = synthesize(generator, chat, cfg.data.synth, cfg.data.documents,
-                                                  cfg.data.generation, cache, cfg.target.name, cfg.seed)
+        generation, batch_size = cfg.data.generation, cfg.data.synth.batch_size
+        generator = (vllm_generator(generation, cfg.target, cfg.eval.engine.python, tgt, chat, rank,
+                                    data_dir / "engine", batch_size) if generation.backend == "vllm" else
+                     local_generator(generation.dtype, tgt, chat, batch_size))
+        try:
+            synthesized, collect_rejects = synthesize(generator, chat, cfg.data.synth, cfg.data.documents,
+                                                      generation, cache, cfg.target.name, cfg.seed)
+        finally:
+            if generation.backend == "vllm":
+                generator.close()  # its memory is the next stage's
         stream, counted = iter(synthesized), RejectLog()  # synthesis filters are not bad input
     else:
         sources = SourceConversations(cfg, tgt, chat, cache, rank, world, data_dir / "engine")

@@ -3,7 +3,8 @@ answers it, so the data is exactly what the target itself would say.
 
 Questions are sampled (their variety is the data's variety), each continuing one of the configured
 openers ("" is free Magpie; "Translate", "Solve" or "Write a Python function" steer it toward a task).
-Answers are generated with the configured generation settings (greedy by default). Empty, too-short
+Answers are generated with the configured generation settings (greedy by default), by our decode loop or by vLLM
+(`data.generation.backend`; the engine samples questions with its own random draws). Empty, too-short
 and duplicate questions are rejected; attempts continue until enough unique conversations exist, with
 a cap on attempts. A share of the conversations then works over a document: one of the target's own
 long answers, placed in a document prompt (summarise, rewrite, translate, answer from it), so the
@@ -31,6 +32,7 @@ from specdistill.data.documents import document_tasks
 from specdistill.data.generate import LocalGenerator
 from specdistill.data.rejects import RejectLog, RowError
 from specdistill.data.template import ChatFormat
+from specdistill.data.vllm_generate import VllmGenerator
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +56,7 @@ def check_question(question: str, min_chars: int, seen: set[str]) -> None:
         raise RowError("duplicate_question", f"already have {question[:80]!r}")
 
 
-def synthesize(generator: LocalGenerator, chat: ChatFormat, synth: SynthConfig, documents: DocumentsConfig,
+def synthesize(generator: LocalGenerator | VllmGenerator, chat: ChatFormat, synth: SynthConfig, documents: DocumentsConfig,
                generation: GenerationConfig, cache: ResultCache, target_name: str,
                seed: int) -> tuple[list[dict], RejectLog]:
     """`synth.num_conversations` conversations ({messages, provenance}), unique by question, and the rejects."""
@@ -71,7 +73,7 @@ def synthesize(generator: LocalGenerator, chat: ChatFormat, synth: SynthConfig, 
 class _Synthesis:
     """What every synthesis step shares: the generator, the formats and settings, the cache and the rejects."""
 
-    generator: LocalGenerator
+    generator: LocalGenerator | VllmGenerator  # our decode loop or the engine's (data.generation.backend)
     chat: ChatFormat
     synth: SynthConfig
     documents: DocumentsConfig
@@ -86,7 +88,7 @@ class _Synthesis:
         """The settings that change what a batch generates from its inputs (part of every cache key)."""
         g = self.generation
         synth = {k: v for k, v in asdict(self.synth).items() if not k.startswith(COUNT_OR_TEXT_SETTINGS)}
-        return {"synth": synth, "temperature": g.temperature, "top_p": g.top_p}
+        return {"synth": synth, "temperature": g.temperature, "top_p": g.top_p, "backend": g.backend}
 
     def question_conversations(self, wanted: int) -> list[dict]:
         conversations: list[dict] = []
