@@ -76,7 +76,9 @@ def main() -> None:
         engine_set = summed([{key: c[key] for key in COUNTED} for c in served[chunk]])
         z.append(tau_z(engine_set, summed(ours[chunk])))
     rms = (sum(v * v for v in z) / len(z)) ** 0.5
-    result = {"command": shlex.join(["python", "scripts/bf16_spread.py", *sys.argv[1:]]),
+    command = ["python", "scripts/bf16_spread.py", "--sets", str(args.sets), "--prompts", str(args.prompts),
+               "--max-new-tokens", str(args.max_new_tokens)]  # where it ran (--out) is no part of the measurement
+    result = {"command": shlex.join(command),
               "engine": f"{report['engine']} {report['version']}", "sets": args.sets,
               "prompts_per_set": args.prompts, "max_new_tokens": args.max_new_tokens, "z": [round(v, 3) for v in z],
               "z_rms": round(rms, 3), "z_limit": round(STANDARD_DEVIATIONS * rms, 3),

@@ -21,7 +21,8 @@ from specdistill.decode.verify import GREEDY
 from specdistill.target import Target
 from specdistill.target_runner import TargetRunner
 
-MAX_REPLAYS = 8  # flips tried per prompt, the smallest margins first; a near-tie is rare, so few are below epsilon
+MAX_REPLAYS = 8  # flips below epsilon tried per prompt, the smallest margins first (a near-tie is rare)
+NAMED_CLOSEST = 3  # closest calls tried in any case, to name a flip that reproduces the engine above epsilon
 
 
 def top2_margin(logprobs_V: Tensor) -> float:
@@ -76,7 +77,8 @@ def explain(target: Target, head, prompt: list[int], k: int, max_new_tokens: int
     reproduces them above epsilon is named too (the engine's draft disagrees with ours by more than the target's
     kernels do), and is not a near-tie."""
     _, margins = replay(target, head, prompt, k, max_new_tokens)
-    closest = sorted((m, r, p) for r, p, m in margins)[:MAX_REPLAYS]
+    below = sum(m < epsilon for _, _, m in margins)
+    closest = sorted((m, r, p) for r, p, m in margins)[:max(NAMED_CLOSEST, min(below, MAX_REPLAYS))]
     for margin, round_, position in closest:
         rounds, _ = replay(target, head, prompt, k, max_new_tokens, flip=(round_, position))
         if counters_of(rounds) == engine_counters:
