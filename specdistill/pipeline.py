@@ -1,7 +1,8 @@
 """Run the chosen stages in order, sharing one loaded target between them.
 
-Each stage is `run(cfg, target) -> dict` in its own module; it reads only the artifacts of earlier
-stages from the run directory, so any stage can be re-run alone (`stages=[evaluate]`).
+Each stage is `run(cfg, layout, target) -> dict` in its own module (export gets the chain the dev evaluation
+advises in place of the target); it reads only the artifacts of earlier stages, found through the run's
+`RunLayout`, so any stage can be re-run alone (`stages=[evaluate]`).
 
 Under `accelerate launch --num_processes N` every rank runs this loop. Prepare, capture, train and evaluate
 share their work between the ranks inside the stage; export runs on rank 0 alone. The ranks meet after every

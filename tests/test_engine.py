@@ -29,7 +29,7 @@ from specdistill.evaluate.engine import (
     served_exports,
 )
 from specdistill.evaluate.report import engine_markdown
-from specdistill.export import common, export_eagle3
+from specdistill.export import common
 from specdistill.heads.checkpoint import load_head
 from specdistill.layout import trained_head_dir
 from specdistill.target import load_target, served_dir
@@ -328,20 +328,22 @@ def test_a_bf16_export_read_wrongly_is_a_finding(bf16_served, tmp_path):
 
 
 @pytest.mark.slow
-def test_eval_engine_script_on_a_smoke_head(tmp_path, engine_ready):
-    root = tmp_path / "runs"
-    proc = subprocess.run([sys.executable, "train.py", "+exp=smoke", f"run_root={root}", "stages=[prepare,capture,train]"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    export = export_eagle3(load_head(trained_head_dir(root / "smoke" / "ckpt")), "vllm", tmp_path / "export", "float32")
+def test_eval_engine_script_serves_an_export_as_the_evaluate_stage_did(embedded_run, tmp_path):
+    run_dir, _ = embedded_run
     out = tmp_path / "engine_eval"
-    proc = subprocess.run([sys.executable, "commands/engine.py", f"head={export}", "target=random", "limit=2",
-                           "max_new_tokens=16", f"out={out}"], cwd=ROOT, capture_output=True, text=True,
+    (out / "engine").mkdir(parents=True)
+    for cached in (run_dir / "eval" / "engine").glob("runs.*"):  # the same requests: vLLM's runs are reused
+        shutil.copy(cached, out / "engine" / cached.name)
+    proc = subprocess.run([sys.executable, "commands/engine.py", f"head={run_dir / 'eval' / 'engine' / 'vllm'}",
+                           f"bench={run_dir.parent / 'prompts.jsonl'}", "limit=4", "max_new_tokens=48",
+                           f"out={out}"], cwd=ROOT, capture_output=True, text=True,
                           timeout=1200, env=ENV)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads((out / "engine.json").read_text())
-    m = report["layouts"]["vllm"]
-    assert m["counters_equal_ours"] and m["outputs_equal_plain"] == 2 and m["weight_warnings"] == []
+    served = json.loads((out / "engine.json").read_text())
+    staged = json.loads((run_dir / "eval" / "engine.json").read_text())
+    assert served["ours"] == staged["ours"] and served["epsilon"] == staged["epsilon"]
+    assert {key: served["layouts"]["vllm"][key] for key in ("per_prompt", "finding", "outputs_equal_plain")} == {
+        key: staged["layouts"]["vllm"][key] for key in ("per_prompt", "finding", "outputs_equal_plain")}
     assert "vllm 0.32.0 tau" in proc.stdout
 
 
