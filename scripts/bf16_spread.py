@@ -25,8 +25,9 @@ from omegaconf import OmegaConf
 
 from specdistill.config import EngineConfig, EvalConfig, TargetConfig
 from specdistill.evaluate.bench import load_items
-from specdistill.evaluate.engine import BF16_SPREAD_FILE, COUNTED, engine_evaluation, rounded, tau_z
+from specdistill.evaluate.engine import BF16_SPREAD_FILE, COUNTED, engine_evaluation, tau_z
 from specdistill.export import export_eagle3
+from specdistill.export.reader import read_head
 from specdistill.heads.checkpoint import load_head
 from specdistill.io import write_json
 from specdistill.layout import trained_head_dir
@@ -63,8 +64,9 @@ def main() -> None:
                     f"eval.bench={prompts}", f"train.max_steps={engine_check_steps() * rows // ENGINE_CHECK_ROWS}",
                     "data.generation.batch_size=64"], cwd=ROOT, check=True)
     target_cfg = TargetConfig()
-    head = rounded(load_head(trained_head_dir(args.out / "engine_check" / "ckpt")), "bfloat16")
-    export = export_eagle3(head, "vllm", args.out / "export", "bfloat16", str(served_dir(target_cfg)))
+    export = export_eagle3(load_head(trained_head_dir(args.out / "engine_check" / "ckpt")), "vllm",
+                           args.out / "export", "bfloat16", str(served_dir(target_cfg)))
+    head = read_head(export)  # what the engine reads
     report = engine_evaluation(EngineConfig(name="vllm", dtype="bfloat16"),
                                EvalConfig(bench=str(prompts), limit=args.sets * args.prompts,
                                           max_new_tokens=args.max_new_tokens),

@@ -30,6 +30,7 @@ from specdistill.evaluate.engine import (
 )
 from specdistill.evaluate.report import engine_markdown
 from specdistill.export import common
+from specdistill.export.reader import read_head
 from specdistill.heads.checkpoint import load_head
 from specdistill.layout import trained_head_dir
 from specdistill.target import load_target, served_dir
@@ -113,8 +114,8 @@ def test_bfloat16_flags_a_tau_beyond_its_measured_spread():
     plain = served(outputs, counted([[], []]))
     one_off = counted([[0, 3, 1, 2] * 12, [1, 3, 1, 2] + [0, 3, 1, 2] * 12])
     assert compare(ours, served(outputs, one_off), plain, outputs, "bfloat16")["finding"] is None
-    # tau 2.25 against 2.5 over 100 and over 1,000 drafts: flagged exactly when beyond the measured bound
-    for scale in (25, 250):
+    # tau 2.25 against 2.5 over 100 and over 10,000 drafts: flagged exactly when beyond the measured bound
+    for scale in (25, 2500):
         base, fewer = counted([[0, 3, 1, 2] * scale, []]), counted([[0, 2, 1, 2] * scale, []])
         entry = compare(base, served(outputs, fewer), plain, outputs, "bfloat16")
         beyond = abs(entry["tau_z_to_ours"]) > bf16_spread()["z_limit"]
@@ -207,7 +208,7 @@ def embedded_run(tmp_path_factory, engine_ready):
 
 
 @pytest.mark.slow
-def test_vllm_serves_both_layouts_as_our_chain_counts(embedded_run):
+def test_vllm_serves_both_layouts_exactly_as_our_chain_counts(embedded_run):
     run_dir, stdout = embedded_run
     report = json.loads((run_dir / "eval" / "engine.json").read_text())
     assert report["engine"] == "vllm" and report["dtype"] == "float32" and report["num_speculative_tokens"] == 3
@@ -218,23 +219,13 @@ def test_vllm_serves_both_layouts_as_our_chain_counts(embedded_run):
         m = report["layouts"][layout]
         assert m["layout"] == layout and m["weight_warnings"] == []
         assert m["outputs_equal_plain"] == n and m["mismatched_prompts"] == []
-        # every prompt counts as ours but where one draft turned to its runner-up reproduces the engine's counts
-        # (docs/engines.md: a finding still open); a misread export moves more (the faults below)
-        assert m["prompts_equal_ours"] >= n - 1 and all("margin" in e for e in m["read_differently"]), m
+        assert (m["drafts"], m["accepted"], m["accepted_per_pos"]) == (
+            ours["drafts"], ours["accepted"], ours["accepted_per_pos"]), layout
+        assert m["counters_equal_ours"] and m["prompts_equal_ours"] == n and m["finding"] is None, m["finding"]
     assert 0 <= report["epsilon"] < 1e-2  # two float32 kernels' largest disagreement on a top-2 margin
     digest = json.loads((run_dir / "eval" / "report.json").read_text())["engine"]
     assert digest["layouts"]["vllm"]["tau"] == report["layouts"]["vllm"]["tau"]
     assert "## In the engine: vllm" in (run_dir / "eval" / "summary.md").read_text()
-
-
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="open finding (docs/engines.md): vLLM drafts one token of prompt 0 unlike our "
-                                       "chain, at a top-2 margin far above the kernels' measured gap")
-def test_vllm_counts_every_prompt_exactly_as_our_chain_in_float32(embedded_run):
-    report = json.loads((embedded_run[0] / "eval" / "engine.json").read_text())
-    for layout in ("vllm", "speculators"):
-        m = report["layouts"][layout]
-        assert m["counters_equal_ours"] and m["prompts_equal_ours"] == report["num_prompts"] and m["finding"] is None
 
 
 def faulty(export: Path, out: Path, fault: str) -> Path:
@@ -247,9 +238,13 @@ def faulty(export: Path, out: Path, fault: str) -> Path:
             i + 1 for i in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
     elif fault == "norm_flag_flipped":
         config["norm_before_residual"] = not config["norm_before_residual"]
-    elif fault == "d2t_as_absolute_ids":
+    elif fault.startswith("d2t_"):
         tensors = load_file(str(out / common.WEIGHTS_FILE))
-        tensors["d2t"] = tensors["d2t"] + torch.arange(len(tensors["d2t"]))
+        positions = torch.arange(len(tensors["d2t"]))
+        if fault == "d2t_as_absolute_ids":
+            tensors["d2t"] = tensors["d2t"] + positions
+        else:  # d2t_rolled: every draft token mapped to its neighbour's target id, still one to one
+            tensors["d2t"] = (tensors["d2t"] + positions).roll(1) - positions
         save_file(tensors, str(out / common.WEIGHTS_FILE), metadata={"format": "pt"})
     (out / common.CONFIG_FILE).write_text(json.dumps(config))
     return out
@@ -265,7 +260,7 @@ def test_a_faulty_export_makes_the_engine_disagree_or_fail(embedded_run, tmp_pat
     for cached in (run_dir / "eval" / "engine").glob("runs.*"):  # the plain engine run is reused from there
         shutil.copy(cached, out / "engine" / cached.name)
     target_cfg = TargetConfig()
-    head = engine.rounded(load_head(trained_head_dir(run_dir / "ckpt")), "bfloat16")
+    head = read_head(run_dir / "eval" / "engine" / "vllm")  # what the engine reads
     report = engine_evaluation(EngineConfig(name="vllm"), served_as_in(run_dir, limit=4, max_new_tokens=48),
                                load_target(target_cfg), head, {fault: export}, served_dir(target_cfg), out)
     m = report["layouts"][fault]
@@ -274,7 +269,7 @@ def test_a_faulty_export_makes_the_engine_disagree_or_fail(embedded_run, tmp_pat
         assert "FAILED" in engine.engine_summary_line(report)
         return
     assert not m["counters_equal_ours"] and "differ from ours in float32" in m["finding"], fault
-    # beyond the one flipped draft a correct export can show: no single flip reproduces the fault's counts
+    # more than a near-tie could move: no single flipped draft reproduces the fault's counts
     assert any("margin" not in e for e in m["read_differently"]), (fault, m["read_differently"])
 
 
@@ -292,7 +287,7 @@ def bf16_served(embedded_run, tmp_path_factory):
     folder its engine runs are kept in, the evaluation settings)."""
     run_dir, _ = embedded_run
     target_cfg = TargetConfig()
-    head = engine.rounded(load_head(trained_head_dir(run_dir / "ckpt")), "bfloat16")
+    head = read_head(run_dir / "eval" / "engine" / "vllm")  # what the engine reads
     target, out = load_target(target_cfg), tmp_path_factory.mktemp("bf16")
     ev = served_as_in(run_dir, **BF16_SIZE)
     report = engine_evaluation(EngineConfig(name="vllm", dtype="bfloat16"), ev, target, head,
@@ -314,7 +309,9 @@ def test_bf16_engine_tau_stays_within_the_measured_bound(bf16_served):
 @pytest.mark.slow
 def test_a_bf16_export_read_wrongly_is_a_finding(bf16_served, tmp_path):
     report, head, target, served_out, ev = bf16_served
-    export = faulty(Path(report["layouts"]["vllm"]["dir"]), tmp_path / "faulty", "layer_ids_off_by_one")
+    # a fault that costs most of tau: the bf16 bound is wide (layer ids off by one cost this head too little to
+    # stand out at this size)
+    export = faulty(Path(report["layouts"]["vllm"]["dir"]), tmp_path / "faulty", "d2t_rolled")
     (tmp_path / "out" / "engine").mkdir(parents=True)
     for cached in (served_out / "engine").glob("runs.*"):  # the plain engine run is reused from there
         shutil.copy(cached, tmp_path / "out" / "engine" / cached.name)
@@ -416,7 +413,7 @@ def test_a_faulty_mtp_export_makes_the_engine_disagree_or_fail(glm_mtp_run, tmp_
         return
     assert m["outputs_equal_plain"] == report["num_prompts"]  # lossless either way: only acceptance moves
     assert not m["counters_equal_ours"] and "differ from ours in float32" in m["finding"], fault
-    # beyond the one flipped draft a correct export can show: no single flip reproduces the fault's counts
+    # more than a near-tie could move: no single flipped draft reproduces the fault's counts
     assert any("margin" not in e for e in m["read_differently"]), (fault, m["read_differently"])
     moved = sum(abs(a - b) for a, b in zip(m["accepted_per_pos"], report["ours"]["accepted_per_pos"]))
     assert moved > 2, (fault, m["accepted_per_pos"], report["ours"]["accepted_per_pos"])  # beyond any near-tie

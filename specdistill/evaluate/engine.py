@@ -34,7 +34,7 @@ from specdistill.evaluate.bench import conversation_ids, load_prompts, turn_batc
 from specdistill.evaluate.near_ties import explain, kernel_margin_gap
 from specdistill.export import export_eagle3, export_mtp
 from specdistill.export.common import CONFIG_FILE, DTYPES, WEIGHTS_FILE, read_config
-from specdistill.export.reader import detect_layout
+from specdistill.export.reader import detect_layout, read_head
 from specdistill.io import atomic_dir, write_json
 from specdistill.target import Target, computing_in, served_dir
 from specdistill.target_runner import TargetRunner, keeps_recurrent_state
@@ -328,13 +328,17 @@ def evaluate_in_engine(ev: EvalConfig, export_dtype: str, target_cfg: TargetConf
     if head.config.kind == "native_mtp":
         export = export_mtp(head, work / "native_mtp-export", export_dtype, target_dir)
         exports = {"native_mtp": laid_over(export, target_dir, work / "native_mtp")}
+        ours = rounded(head, export_dtype)
     elif head.config.kind == "eagle3":
         exports = {layout: export_eagle3(head, layout, work / layout, export_dtype, str(target_dir))
                    for layout in ec.layouts if layout in ENGINE_LAYOUTS[ec.name]}
+        # our chain drafts with the weights read back from the export, exactly what the engine reads: a rounded
+        # copy of the in-memory head is not bit for bit what the export holds
+        ours = read_head(next(iter(exports.values())))
     else:
         raise EngineError(f"no engine serves the {head.config.kind} head: an MTP head on a target without its own "
                           "MTP layers has no engine layout (set eval.engine.name=null)")
-    return engine_evaluation(ec, ev, target, rounded(head, export_dtype), exports, target_dir, out_dir)
+    return engine_evaluation(ec, ev, target, ours, exports, target_dir, out_dir)
 
 
 def laid_over(export_dir: Path, target_dir: Path, out: Path) -> Path:
