@@ -7,8 +7,8 @@ In bfloat16 the engine's and our decodes part ways by rounding, so the check com
 errors (`engine.tau_z`). Draft outcomes within a prompt are correlated and both sides decode the same prompts, so
 that z is not a standard normal: its spread is measured here, on a head trained as the engine tests train theirs
 (`+exp=engine_check`: the target's answers to the prompts served, here as many as the sets hold, as many epochs),
-exported as it is served (vLLM layout, bfloat16) and served one request at a time on `sets` x `prompts` Spec-Bench dev prompts; each set of
-`prompts` (the engine check's size in CI) gives one z. The bound is 3 x the root mean square of those z (about 0),
+exported as it is served (vLLM layout, bfloat16) and served one request at a time on `sets` x `prompts`
+Spec-Bench dev prompts; each set of `prompts` (the engine check's size in CI) gives one z. The bound is 3 x the root mean square of those z (about 0),
 written with this command to `specdistill/evaluate/bf16_spread.json`, which the check reads.
 """
 
@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 
 from specdistill.config import EngineConfig, EvalConfig, TargetConfig
 from specdistill.evaluate.bench import load_items
-from specdistill.evaluate.engine import BF16_SPREAD_FILE, COUNTED, engine_evaluation, tau_z
+from specdistill.evaluate.engine import BF16_SPREAD_FILE, engine_evaluation, tau_z
 from specdistill.export import export_eagle3
 from specdistill.export.reader import read_head
 from specdistill.heads.checkpoint import load_head
@@ -75,8 +75,7 @@ def main() -> None:
     z = []
     for s in range(args.sets):
         chunk = slice(s * args.prompts, (s + 1) * args.prompts)
-        engine_set = summed([{key: c[key] for key in COUNTED} for c in served[chunk]])
-        z.append(tau_z(engine_set, summed(ours[chunk])))
+        z.append(tau_z(summed(served[chunk]), summed(ours[chunk])))
     rms = (sum(v * v for v in z) / len(z)) ** 0.5
     command = ["python", "scripts/bf16_spread.py", "--sets", str(args.sets), "--prompts", str(args.prompts),
                "--max-new-tokens", str(args.max_new_tokens)]  # where it ran (--out) is no part of the measurement

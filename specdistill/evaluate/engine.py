@@ -4,8 +4,8 @@ Our evaluator measures a head with our code; a user serves it with an engine tha
 own way. Here the engine (vLLM) runs in its own environment (it pins its own transformers) through
 `vllm_worker.py`: once without a draft, for its plain greedy outputs and speed, then once per export
 layout. Both sides decode the very same token ids (our chat template, greedy, `eval.max_new_tokens`);
-ours drafts a chain of `num_speculative_tokens` with the in-memory head, its weights rounded to the
-export dtype, in the engine's dtype. In float32 the two must agree count for count: any difference is a
+ours drafts a chain of `num_speculative_tokens`, in the engine's dtype, with the EAGLE-3 head read back from
+its export (a target's own MTP module: the in-memory one, its weights rounded to the export dtype). In float32 the two must agree count for count: any difference is a
 finding about the export or the engine (a layer-id convention, a norm flag, the vocabulary map), and is
 reported loudly, never tuned away. The engine serves one request at a time, so each prompt's counts are compared
 with ours: a prompt whose plain output already differs is set aside, and a count that differs is an argmax near-tie
@@ -214,7 +214,7 @@ def finding_of(entry: dict, ours: dict, num_prompts: int, dtype: str) -> str | N
     differs is a finding unless a near-tie reproduces it. Speculative outputs that are not the engine's own plain
     ones are a finding in float32 whatever the counters say. In bfloat16 the decodes part ways by rounding, and the
     check is statistical."""
-    findings = []
+    findings, spread = [], bf16_spread() if dtype != "float32" else None
     if dtype == "float32" and len(entry["set_aside"]) == num_prompts:
         findings.append(f"the target itself decodes differently in the engine (all {num_prompts} plain greedy "
                         "outputs differ from ours), so no prompt's counts can be compared with ours")
@@ -228,11 +228,11 @@ def finding_of(entry: dict, ours: dict, num_prompts: int, dtype: str) -> str | N
                         f"{ours['accepted_per_pos']}) beyond a near-tie of the kernels' measured margin (epsilon "
                         f"{entry['epsilon']:.2g}){': ' + flips if flips else ''}: the export is read differently from "
                         "how it was trained")
-    elif dtype != "float32" and bf16_spread() is None:
+    elif dtype != "float32" and spread is None:
         findings.append(f"no measured {dtype} bound to judge the engine's tau by (scripts/bf16_spread.py writes it)")
-    elif dtype != "float32" and abs(entry["tau_z_to_ours"]) > bf16_spread()["z_limit"]:
+    elif dtype != "float32" and abs(entry["tau_z_to_ours"]) > spread["z_limit"]:
         findings.append(f"engine tau / ours = {entry['tau_ratio_to_ours']:.3f}, {entry['tau_z_to_ours']:+.1f} standard "
-                        f"errors apart: beyond {dtype} sampling noise (limit {bf16_spread()['z_limit']:g})")
+                        f"errors apart: beyond {dtype} sampling noise (limit {spread['z_limit']:g})")
     if dtype == "float32" and entry["mismatched_prompts"]:  # bfloat16 rounds a k-token verify unlike a 1-token step
         findings.append(f"speculation is not lossless in the engine: {len(entry['mismatched_prompts'])} of "
                         f"{num_prompts} speculative outputs differ from its plain greedy ones (prompts "
