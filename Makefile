@@ -40,7 +40,7 @@ train: $(VENV)/.installed
 	$(PY) train.py $(ARGS)
 
 test: $(VENV)/.installed $(if $(filter 1,$(SLOW)),$(ENGINE)/.installed)
-	$(if $(filter 1,$(SLOW)),SPECDISTILL_ENGINE=1) $(PY) -m pytest -q $(PYTEST_MARK)
+	$(if $(filter 1,$(SLOW)),SPECDISTILL_ENGINE=1) $(PY) -m pytest -q --durations=25 $(PYTEST_MARK)
 	$(if $(filter 1,$(SLOW)),$(MAKE) interop)
 
 interop: $(INTEROP)/.installed

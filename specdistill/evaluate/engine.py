@@ -21,7 +21,6 @@ import re
 import subprocess
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
 from specdistill.cache import ResultCache, content_key
@@ -33,8 +32,9 @@ from specdistill.engines import EXCEPTION_LINE, EngineError, engine_env, engine_
 from specdistill.evaluate.bench import conversation_ids, load_prompts, turn_batches
 from specdistill.evaluate.near_ties import explain, kernel_margin_gap
 from specdistill.export import export_eagle3, export_mtp
-from specdistill.export.common import CONFIG_FILE, DTYPES, WEIGHTS_FILE, read_config
+from specdistill.export.common import CONFIG_FILE, WEIGHTS_FILE, read_config
 from specdistill.export.reader import detect_layout, read_head
+from specdistill.heads.native_mtp import checkpoint_mtp_state
 from specdistill.io import atomic_dir, write_json
 from specdistill.target import Target, computing_in, served_dir
 from specdistill.target_runner import TargetRunner, keeps_recurrent_state
@@ -51,13 +51,11 @@ BF16_SPREAD_FILE = Path(__file__).with_name("bf16_spread.json")
 COUNTED = ("drafts", "accepted", "accepted_per_pos")  # the counters both sides keep
 
 
-def rounded(head, dtype: str):
-    """A copy of `head` whose weights went through the export dtype and back, as the engine reads them."""
+def served_module(head, target_model, checkpoint: Path):
+    """A copy of the native MTP `head` whose layer is the one `checkpoint` (the export laid over the target)
+    holds, read as the engine reads it: a copy rounded in memory is not bit for bit the export."""
     out = copy.deepcopy(head)
-    with torch.no_grad():
-        for t in [*out.parameters(), *out.buffers()]:
-            if t.dtype.is_floating_point:
-                t.copy_(t.to(DTYPES[dtype]).to(t.dtype))
+    out.layer.load_state_dict(checkpoint_mtp_state(target_model, head.family, checkpoint))
     return out
 
 
@@ -170,15 +168,15 @@ def compare(ours: dict, served: dict, plain: dict, our_outputs: list[list[int]],
             epsilon: float | None = None) -> dict:
     """One layout's engine run beside ours: counters (in all and per prompt), tau ratio, lossless check, speed, and
     any finding. In float32 `explain_prompt(i, engine_counters)` says why prompt i's counts differ
-    (`near_ties.explain`)."""
+    (`near_ties.explain`), prompt after prompt up to the first that is no near-tie."""
     counters = served["counters"]
     new_tokens = sum(len(o) for o in served["outputs"])
     mismatched = [i for i, (a, b) in enumerate(zip(served["outputs"], plain["outputs"])) if a != b]
     set_aside = [i for i, (a, b) in enumerate(zip(plain["outputs"], our_outputs)) if a != b and dtype == "float32"]
     differing = [i for i, (a, b) in enumerate(zip(served["per_prompt"], ours["per_prompt"]))
                  if i not in set_aside and not same_counts(a, b)]
-    explained = ({i: explain_prompt(i, served["per_prompt"][i]) for i in differing}
-                 if dtype == "float32" and explain_prompt else {})
+    explained = ({} if dtype != "float32" or explain_prompt is None else
+                 until_read_differently(differing, lambda i: explain_prompt(i, served["per_prompt"][i])))
     entry = {
         **counters,
         "tau": tau_of(counters),
@@ -192,6 +190,7 @@ def compare(ours: dict, served: dict, plain: dict, our_outputs: list[list[int]],
         "per_prompt": served["per_prompt"],
         "near_ties": [{"prompt": i, **e} for i, e in explained.items() if e["near_tie"]],
         "read_differently": [{"prompt": i, **e} for i, e in explained.items() if not e["near_tie"]],
+        "not_replayed": [i for i in differing if i not in explained] if explained else [],
         "tau_ratio_to_ours": tau_of(counters) / tau_of(ours),
         "tau_z_to_ours": tau_z(counters, ours),
         "detectable_tau_loss": None if dtype == "float32" else detectable_tau_loss(ours),
@@ -208,6 +207,17 @@ def compare(ours: dict, served: dict, plain: dict, our_outputs: list[list[int]],
     return {**entry, "finding": finding_of(entry, ours, len(our_outputs), dtype)}
 
 
+def until_read_differently(differing: list[int], explain_one) -> dict[int, dict]:
+    """`explain_one(i)` for each differing prompt in turn, up to the first that is no near-tie: that one already
+    makes the float32 finding, and the rest's replays (a few full decodes each) could not lift it."""
+    explained = {}
+    for i in differing:
+        explained[i] = explain_one(i)
+        if not explained[i]["near_tie"]:
+            break
+    return explained
+
+
 def finding_of(entry: dict, ours: dict, num_prompts: int, dtype: str) -> str | None:
     """Why the engine's count is not ours, in words, or None. In float32 every prompt's counts must equal ours: a
     prompt whose plain output differs is set aside (all of them set aside leaves nothing checked), and a count that
@@ -219,7 +229,8 @@ def finding_of(entry: dict, ours: dict, num_prompts: int, dtype: str) -> str | N
         findings.append(f"the target itself decodes differently in the engine (all {num_prompts} plain greedy "
                         "outputs differ from ours), so no prompt's counts can be compared with ours")
     elif dtype == "float32" and entry["differing_prompts"] and len(entry["near_ties"]) < len(entry["differing_prompts"]):
-        unexplained = [e["prompt"] for e in entry["read_differently"]] or entry["differing_prompts"]
+        near_ties = {t["prompt"] for t in entry["near_ties"]}
+        unexplained = [i for i in entry["differing_prompts"] if i not in near_ties]
         flips = "; ".join(f"on prompt {e['prompt']} one draft turned to its runner-up (round {e['round']}, position "
                           f"{e['position']}) reproduces them, at a margin of {e['margin']:.2g}"
                           for e in entry["read_differently"] if "margin" in e)
@@ -328,7 +339,7 @@ def evaluate_in_engine(ev: EvalConfig, export_dtype: str, target_cfg: TargetConf
     if head.config.kind == "native_mtp":
         export = export_mtp(head, work / "native_mtp-export", export_dtype, target_dir)
         exports = {"native_mtp": laid_over(export, target_dir, work / "native_mtp")}
-        ours = rounded(head, export_dtype)
+        ours = served_module(head, target.model, exports["native_mtp"])
     elif head.config.kind == "eagle3":
         exports = {layout: export_eagle3(head, layout, work / layout, export_dtype, str(target_dir))
                    for layout in ec.layouts if layout in ENGINE_LAYOUTS[ec.name]}

@@ -215,7 +215,7 @@ class NativeMTPHead(DraftHead):
         checkpoint = Path(target_model.config.name_or_path or "")
         prefixes = layer_prefixes(self.family, target_model.config.num_hidden_layers)
         if checkpoint.is_dir() and any(k.startswith(prefixes) for k in checkpoint_keys(checkpoint)):
-            self.layer.load_state_dict(checkpoint_mtp_state(target_model, self.family))
+            self.layer.load_state_dict(checkpoint_mtp_state(target_model, self.family, checkpoint))
             return f"the MTP weights of {checkpoint}"
         layers = target_model.get_decoder().layers
         full = [layer for layer in layers if getattr(layer, "layer_type", "full_attention") == "full_attention"]
@@ -240,10 +240,10 @@ def checkpoint_keys(directory: Path) -> list[str]:
     return keys
 
 
-def checkpoint_mtp_state(target_model, family: MtpFamily) -> dict[str, torch.Tensor]:
-    """Layer 0 of the checkpoint's MTP weights as `MtpLayer` keys, the block converted by transformers exactly as
-    the checkpoint's own layers are (it raises on any missing weight). A layer's copies of the embedding and
-    lm_head are not read: the engine drafts with the target's."""
+def checkpoint_mtp_state(target_model, family: MtpFamily, checkpoint: Path) -> dict[str, torch.Tensor]:
+    """Layer 0 of the MTP weights in `checkpoint` (a dir of `target_model`'s family) as `MtpLayer` keys, the block
+    converted by transformers exactly as the checkpoint's own layers are (it raises on any missing weight). A
+    layer's copies of the embedding and lm_head are not read: the engine drafts with the target's."""
     own_prefix, block_prefix = layer_prefixes(family, target_model.config.num_hidden_layers)
     skip = r"(?!embed_tokens\.|shared_head\.head\.)"
     pattern = re.compile("|".join(f"^{re.escape(p)}{skip}" for p in {own_prefix, block_prefix}))
@@ -261,6 +261,7 @@ def checkpoint_mtp_state(target_model, family: MtpFamily) -> dict[str, torch.Ten
 
     config = target_model.config
     target_model.config = with_one_mtp_layer(config)  # what transformers' MtpModel reads of the main model
+    target_model.config.name_or_path = str(checkpoint)
     try:
         mtp = CheckpointMtp.from_pretrained(target_model)
     finally:
