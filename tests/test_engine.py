@@ -412,10 +412,10 @@ def test_a_faulty_mtp_export_makes_the_engine_disagree_or_fail(glm_mtp_run, tmp_
     for cached in (glm_mtp_run / "eval" / "engine").glob("runs.*"):  # the plain engine run is reused from there
         shutil.copy(cached, out / "engine" / cached.name)
     target_cfg = TargetConfig(name="random", random=RandomTargetConfig(family="glm4_moe", max_position_embeddings=8192))
-    head = engine.rounded(load_head(trained_head_dir(glm_mtp_run / "ckpt")), "bfloat16")
-    served_model = mtp_fault(glm_mtp_run / "eval" / "engine" / "native_mtp", tmp_path / fault, fault)
-    report = engine_evaluation(EngineConfig(name="vllm"), EvalConfig(limit=8, max_new_tokens=48),
-                               load_target(target_cfg), head, {fault: served_model}, served_dir(target_cfg), out)
+    target, served_model = load_target(target_cfg), glm_mtp_run / "eval" / "engine" / "native_mtp"
+    head = engine.served_module(load_head(trained_head_dir(glm_mtp_run / "ckpt")), target.model, served_model)
+    report = engine_evaluation(EngineConfig(name="vllm"), EvalConfig(limit=8, max_new_tokens=48), target, head,
+                               {fault: mtp_fault(served_model, tmp_path / fault, fault)}, served_dir(target_cfg), out)
     m = report["layouts"][fault]
     if m.get("failed"):  # the layer where the engine does not look: vLLM refuses to start without it
         assert fault == "layer_index_off_by_one" and ("missing" in m["finding"] or "layers.9" in m["finding"]), m
