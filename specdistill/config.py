@@ -172,6 +172,8 @@ class HeadConfig:
     copy_slow_pairs_only: bool = setting(False, "keep the copiers' queries on rotary's slowest pairs while training")
     freeze_lm_head: bool = setting(True, "keep the lm_head at the target's rows (EAGLE-1's choice): no per-token rows "
                                    "to overfit")
+    fc_norm: bool = setting(False, "EAGLE-3: Eagle 3.1's own RMSNorm on each captured layer before `fc`, so layers of "
+                            "unlike scales weigh alike (docs/engines.md: which engines serve it)")
     mtp_num_modules: int = setting(1, "MTP: 1 = one module applied recursively, k = k separate modules")
 
 
@@ -347,6 +349,7 @@ def _check_data(cfg: RunConfig) -> None:
 def _check_head(cfg: RunConfig) -> None:
     head = cfg.head
     check(not head.copy_init or head.kind == "eagle3", "head.copy_init", "applies to EAGLE-3 heads only")
+    check(not head.fc_norm or head.kind == "eagle3", "head.fc_norm", "applies to EAGLE-3 heads only")
     check(not head.copy_slow_pairs_only or head.copy_init, "head.copy_slow_pairs_only", "needs head.copy_init=true")
     check(not head.freeze_lm_head or head.init_lm_head_from_target, "head.freeze_lm_head",
           "needs head.init_lm_head_from_target=true (a frozen lm_head must start as the target's)")

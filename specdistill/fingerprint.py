@@ -56,12 +56,20 @@ def changes(recorded: dict, current: dict) -> list[str]:
 
 
 def check_same(what: Path, recorded: dict, current: dict, name: str) -> None:
-    """Raise StaleRun when `what` (kept work of run `name`) was made from another fingerprint than `current`."""
-    changed = changes(recorded, current)
+    """Raise StaleRun when `what` (kept work of run `name`) was made from another fingerprint than `current`. A
+    train or head field that `recorded` lacks was added to the schema since, and is read at its default: what a new
+    field defaults to is what runs did before it existed."""
+    added_since = {k: v for k, v in schema_defaults().items() if k not in recorded}
+    changed = changes({**added_since, **recorded}, current)
     if changed:
         raise StaleRun(f"{what} was made from other inputs or settings than this run's ({'; '.join(changed)}); "
                        f"start a new run with name=<another name than {name}>, or pass restart=true to discard this run's "
                        "training checkpoints and train anew")
+
+
+def schema_defaults() -> dict:
+    """The train and head fields a fingerprint records, at their defaults."""
+    return {**config_fields(TrainConfig(), "train", skip=RESUME_SAFE), **config_fields(HeadConfig(), "head")}
 
 
 def train_fingerprint(train: TrainConfig, head: HeadConfig, capture: CaptureConfig, seed: int, layout: RunLayout,

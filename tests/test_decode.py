@@ -1,12 +1,14 @@
 """Speculative generation on a real (tiny random) target: lossless at temperature 0 for every drafter,
 batch 1 and batch > 1; the target's distribution at temperature > 0 (chi-square on a tiny vocabulary)."""
 
+import copy
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdistill.config import HeadConfig, TargetConfig
-from specdistill.decode.drafters import HeadProposer, LookupProposer
+from specdistill.decode.drafters import Drafter, HeadProposer, LookupProposer
 from specdistill.decode.loop import GenerationStats, _record_hits, plain_generate, speculative_generate
 from specdistill.decode.tree import Tree
 from specdistill.decode.verify import GREEDY, Sampling, Verdict
@@ -26,13 +28,13 @@ def setup():
     return target, TargetRunner(target), prompts, reference
 
 
-def head_for(target: Target, kind: str, reference: list[list[int]]):
+def head_for(target: Target, kind: str, reference: list[list[int]], **head_fields):
     """A random head whose draft vocabulary is what the target writes, so some drafts get accepted."""
     ids = torch.tensor(sorted({t for r in reference for t in r} | {0, 1, 2}))
     t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
     t2d[ids] = True
     torch.manual_seed(0)
-    return build_head(HeadConfig(kind=kind), target, ids - torch.arange(len(ids)), t2d).eval()
+    return build_head(HeadConfig(kind=kind, **head_fields), target, ids - torch.arange(len(ids)), t2d).eval()
 
 
 def decode_all(runner, proposer, prompts, batch_size, eos, sampling=GREEDY):
@@ -65,6 +67,32 @@ def test_head_chain_equals_greedy_decoding_in_a_batch(setup):
     proposer = HeadProposer(head_for(target, "eagle3", reference), target.vocab_size, "chain", 4)
     tokens, _ = decode_all(runner, proposer, prompts, 3, target.eos_ids)
     assert tokens == reference
+
+
+def test_the_drafter_reads_the_features_through_an_eagle31_heads_norms(setup):
+    target, runner, prompts, reference = setup
+    head = head_for(target, "eagle3", reference, fc_norm=True)  # built from `head.fc_norm=true`
+    with torch.no_grad():
+        for norm in head.fc_norm:
+            norm.weight.copy_(1 + 0.3 * torch.randn_like(norm.weight))
+    aux = runner(torch.tensor([prompts[0]]), with_logits=False).aux_BTA  # the target's captured layers
+
+    def drafted(h, aux_BTA):
+        """The log-probs of the first draft after the prompt."""
+        return Drafter(h, target.vocab_size).extend(aux_BTA, None, torch.tensor([prompts[0][1:] + [0]]), 0)
+
+    ours = drafted(head, aux)
+    # a captured layer's scale stops at its norm, so it cannot outweigh the others in fc
+    scaled = aux * torch.tensor([5.0, 1.0, 3.0]).repeat_interleave(target.hidden_size)
+    torch.testing.assert_close(drafted(head, scaled), ours, rtol=1e-4, atol=1e-4)
+    # the norms' weights reach the draft: folded into fc instead, the same drafts
+    folded = copy.deepcopy(head)
+    with torch.no_grad():
+        folded.fc.weight.mul_(torch.cat([norm.weight for norm in head.fc_norm]))
+        for norm in folded.fc_norm:
+            norm.weight.fill_(1.0)
+    torch.testing.assert_close(drafted(folded, aux), ours, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(drafted(head_for(target, "eagle3", reference), aux), ours)  # without: others
 
 
 def test_prompt_lookup_is_lossless_and_accepts_repeats(setup):

@@ -6,6 +6,8 @@ The engine tests are slow (`make test SLOW=1` installs the engine first and sets
 a missing engine into a failure); the tests of the comparison itself run everywhere.
 """
 
+import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -26,14 +28,16 @@ from specdistill.evaluate.engine import (
     chain_counters,
     compare,
     engine_evaluation,
+    our_chain,
     served_exports,
 )
 from specdistill.evaluate.report import engine_markdown
-from specdistill.export import common
+from specdistill.export import common, export_eagle3
 from specdistill.export.reader import read_head
-from specdistill.heads.checkpoint import load_head
+from specdistill.heads.checkpoint import head_from_state, load_head
 from specdistill.layout import trained_head_dir
 from specdistill.target import load_target, served_dir
+from specdistill.target_runner import TargetRunner
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -248,6 +252,10 @@ def faulty(export: Path, out: Path, fault: str) -> Path:
             i + 1 for i in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
     elif fault == "norm_flag_flipped":
         config["norm_before_residual"] = not config["norm_before_residual"]
+    elif fault == "fc_norm_dropped":  # an Eagle 3.1 export without its norms' weights: vLLM keeps them at ones
+        tensors = load_file(str(out / common.WEIGHTS_FILE))
+        save_file({k: v for k, v in tensors.items() if not k.startswith("fc_norm.")}, str(out / common.WEIGHTS_FILE),
+                  metadata={"format": "pt"})
     elif fault.startswith("d2t_"):
         tensors = load_file(str(out / common.WEIGHTS_FILE))
         positions = torch.arange(len(tensors["d2t"]))
@@ -281,6 +289,66 @@ def test_a_faulty_export_makes_the_engine_disagree_or_fail(embedded_run, tmp_pat
     assert not m["counters_equal_ours"] and "differ from ours in float32" in m["finding"], fault
     # more than a near-tie could move: several prompts moved, or no single flipped draft reproduces the one's counts
     assert len(m["differing_prompts"]) > 1 or "margin" not in m["read_differently"][0], (fault, m)
+
+
+def as_eagle31(head, target, seed: int = 0):
+    """`head` turned Eagle 3.1 (`fc_norm`) with each norm's weights far from ones (exp(z), seeded), yet drafting
+    about as trained: `fc`'s columns take each layer's median RMS (over the first prompt served) divided by those
+    weights, so the norms hand `fc` its trained input rescaled per token. Served without the norms' weights, `fc`
+    reads every feature off by its weight's inverse, and drafts otherwise."""
+    ids = torch.tensor([target.prompt_ids(load_items("spec_bench")[0][0])])
+    layers = TargetRunner(target)(ids, with_logits=False).aux_BTA[0].float().chunk(len(head.config.aux_layer_ids), -1)
+    g = torch.Generator().manual_seed(seed)
+    weights = [torch.exp(torch.randn(layer.shape[-1], generator=g)) for layer in layers]
+    scales = torch.cat([layer.pow(2).mean(-1).sqrt().median() / w for layer, w in zip(layers, weights)])
+    state = head.trainable_state_dict() | {f"fc_norm.{i}.weight": w for i, w in enumerate(weights)}
+    state["fc.weight"] = head.fc.weight.detach() * scales
+    return head_from_state(dataclasses.replace(head.config, fc_norm=True), state, "the Eagle 3.1 test head")
+
+
+EAGLE31_SIZE = {"limit": 2, "max_new_tokens": 24}  # a plain engine run of its own, but every run and replay short
+
+
+@pytest.fixture(scope="module")
+def eagle31_served(embedded_run, tmp_path_factory):
+    """The embedded head turned Eagle 3.1 (`as_eagle31`), exported for vLLM in float32 and served beside our chain
+    (drafting with the head read back from the export), with a copy of that export whose norms' weights are gone
+    (`faulty`): (the engine report, our head, the target, the evaluation settings)."""
+    run_dir, _ = embedded_run
+    target_cfg = TargetConfig()
+    target, out, ev = load_target(target_cfg), tmp_path_factory.mktemp("eagle31"), served_as_in(run_dir, **EAGLE31_SIZE)
+    export = export_eagle3(as_eagle31(read_head(run_dir / "eval" / "engine" / "vllm"), target), "vllm",
+                           out / "eagle31", "float32")
+    exports = {"eagle31": export, "fc_norm_dropped": faulty(export, out / "fc_norm_dropped", "fc_norm_dropped")}
+    head = read_head(export)
+    report = engine_evaluation(EngineConfig(name="vllm"), ev, target, head, exports, served_dir(target_cfg), out)
+    return report, head, target, ev
+
+
+@pytest.mark.slow
+def test_vllm_serves_an_eagle31_head_exactly_as_our_chain_counts(eagle31_served):
+    report, *_ = eagle31_served
+    ours, n, m = report["ours"], report["num_prompts"], report["layouts"]["eagle31"]
+    assert json.loads((Path(m["dir"]) / common.CONFIG_FILE).read_text())["fc_norm"] is True
+    assert ours["accepted"] > 0, "the head accepts nothing: dropping its norms could not change its counts"
+    assert m["weight_warnings"] == [] and m["outputs_equal_plain"] == n
+    assert m["counters_equal_ours"] and m["prompts_equal_ours"] == n and m["finding"] is None, m["finding"]
+
+
+@pytest.mark.slow
+def test_an_eagle31_export_without_its_norms_weights_makes_vllm_disagree(eagle31_served):
+    report, head, target, ev = eagle31_served
+    m, k = report["layouts"]["fc_norm_dropped"], report["num_speculative_tokens"]
+    assert not m["counters_equal_ours"] and "differ from ours in float32" in m["finding"], m["finding"]
+    # vLLM does not check that a draft's weights all arrived: without a word, losslessly, it drafts with the norms at
+    # ones, count for count as our chain does with them there
+    assert m["weight_warnings"] == [] and m["outputs_equal_plain"] == report["num_prompts"]
+    at_ones = copy.deepcopy(head)
+    with torch.no_grad():
+        for norm in at_ones.fc_norm:
+            norm.weight.fill_(1.0)
+    _, _, rounds = our_chain(target, at_ones, ev, k)
+    assert [{key: p[key] for key in COUNTED} for p in m["per_prompt"]] == [chain_counters(r, k) for r in rounds]
 
 
 def served_as_in(run_dir: Path, **settings) -> EvalConfig:

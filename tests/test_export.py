@@ -32,12 +32,12 @@ BLOCK = ["input_layernorm.weight", "hidden_norm.weight", "post_attention_layerno
          "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
 
 
-def make_head(aux=(1, 3, 4), rope=None, seed=0) -> Eagle3Head:
+def make_head(aux=(1, 3, 4), rope=None, seed=0, fc_norm=False) -> Eagle3Head:
     torch.manual_seed(seed)
     arch = HeadArch(hidden_size=H, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                     rope_parameters=rope or {"rope_type": "default", "rope_theta": 100000.0})
     head = Eagle3Head(Eagle3Config(arch=arch, vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, target_hidden_size=H,
-                                   aux_layer_ids=list(aux), target_num_layers=8))
+                                   aux_layer_ids=list(aux), target_num_layers=8, fc_norm=fc_norm))
     with torch.no_grad():
         for p in head.parameters():
             p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.ndim == 1 else 0.0))
@@ -77,6 +77,12 @@ def head() -> Eagle3Head:
     return make_head()
 
 
+@pytest.fixture(scope="module")
+def eagle31_head() -> Eagle3Head:
+    """An Eagle 3.1 head (`fc_norm`): its per-layer norms away from ones, as every other weight."""
+    return make_head(fc_norm=True)
+
+
 # --- the contract of each engine, written out by hand ---------------------------------------------
 
 SGLANG_KEYS = {"embed_tokens.weight", "fc.weight", "norm.weight", "lm_head.weight", "d2t",
@@ -84,6 +90,9 @@ SGLANG_KEYS = {"embed_tokens.weight", "fc.weight", "norm.weight", "lm_head.weigh
 SPECULATORS_KEYS = {"embed_tokens.weight", "fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
                     *(f"layers.0.{k}" for k in BLOCK)}
 EXPECTED_KEYS = {"sglang": SGLANG_KEYS, "vllm": SGLANG_KEYS, "trtllm": SGLANG_KEYS, "speculators": SPECULATORS_KEYS}
+# Eagle 3.1: every loader builds `fc_norm` (a ModuleList, one per captured layer) beside `fc` and loads these unrenamed
+# (vLLM and TensorRT-LLM under `model.`, SGLang as `model.fc_norm.<i>`, the speculators package at its top level)
+FC_NORM_KEYS = {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"}
 D2T_DTYPES = {"sglang": torch.int64, "vllm": torch.int64, "trtllm": torch.int32, "speculators": torch.int64}
 
 
@@ -119,6 +128,7 @@ def test_hf_llama_config_fields(head, fmt, tmp_path):
     assert cfg["eagle_config"]["use_aux_hidden_state"] is True
     assert cfg["torch_dtype"] == cfg["dtype"] == "bfloat16"
     assert ("norm_before_residual" in cfg) == (fmt == "vllm")
+    assert cfg["fc_norm"] is False  # top level, where vLLM, SGLang and TensorRT-LLM read it
     if fmt == "vllm":
         assert cfg["norm_before_residual"] is False
     if fmt == "trtllm":
@@ -174,14 +184,27 @@ def test_dtype_on_request(head, dtype, torch_dtype, tmp_path):
     assert cfg["torch_dtype"] == dtype
 
 
+@pytest.mark.parametrize("fmt", list(EAGLE3_LAYOUTS))
+def test_an_eagle31_head_carries_its_norms_and_flag_in_every_layout(eagle31_head, fmt, tmp_path):
+    tensors, cfg = exported(export_eagle3(eagle31_head, fmt, tmp_path / fmt, dtype="float32", target=VERIFIER))
+    assert set(tensors) == EXPECTED_KEYS[fmt] | FC_NORM_KEYS
+    for i in range(3):
+        assert torch.equal(tensors[f"fc_norm.{i}.weight"], eagle31_head.fc_norm[i].weight), i
+    # top level in each: vLLM and TensorRT-LLM read it off the config, SGLang too, vLLM's speculators conversion
+    # (`update_eagle3`) copies it across
+    assert cfg["fc_norm"] is True and cfg.get("norm_before_fc", False) is False
+
+
 # --- round trip -----------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("fc_norm", [False, True])
 @pytest.mark.parametrize("fmt", list(EAGLE3_LAYOUTS))
-def test_round_trip_gives_identical_logits(head, fmt, tmp_path):
-    back = read_head(export_eagle3(head, fmt, tmp_path / fmt, dtype="float32", target=VERIFIER))
-    assert back.config == head.config
-    assert torch.equal(back.d2t, head.d2t) and torch.equal(back.t2d, head.t2d)
-    assert torch.equal(draft_logits(back), draft_logits(head))
+def test_round_trip_gives_identical_logits(head, eagle31_head, fmt, fc_norm, tmp_path):
+    ours = eagle31_head if fc_norm else head
+    back = read_head(export_eagle3(ours, fmt, tmp_path / fmt, dtype="float32", target=VERIFIER))
+    assert back.config == ours.config
+    assert torch.equal(back.d2t, ours.d2t) and torch.equal(back.t2d, ours.t2d)
+    assert torch.equal(draft_logits(back), draft_logits(ours))
 
 
 def test_round_trip_bf16_equals_the_head_cast_to_bf16(head, tmp_path):
@@ -226,6 +249,10 @@ def test_two_captured_layers_fit_trtllm_only(tmp_path):
     assert not (tmp_path / "s").exists()
     assert torch.equal(draft_logits_2(read_head(export_eagle3(two, "trtllm", tmp_path / "t", dtype="float32"))),
                        draft_logits_2(two))
+    two_normed = make_head(aux=(1, 4), fc_norm=True)  # TensorRT-LLM builds one norm per captured layer
+    out = export_eagle3(two_normed, "trtllm", tmp_path / "t31", dtype="float32")
+    assert {k for k in exported(out)[0] if k.startswith("fc_norm.")} == {"fc_norm.0.weight", "fc_norm.1.weight"}
+    assert torch.equal(draft_logits_2(read_head(out)), draft_logits_2(two_normed))
 
 
 def draft_logits_2(head: Eagle3Head) -> torch.Tensor:
@@ -270,6 +297,19 @@ def test_export_replaces_its_own_files_and_keeps_the_users(head, tmp_path):
     assert (out / "serve.sh").read_text().startswith("python -m sglang")
     assert load_file(out / "model.safetensors")  # the new weights, not the old text
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_reader_refuses_fc_norm_weights_without_the_flag_and_the_flag_without_them(eagle31_head, tmp_path):
+    out = export_eagle3(eagle31_head, "vllm", tmp_path / "v", dtype="float32")
+    tensors, cfg = exported(out)
+    (out / "config.json").write_text(json.dumps(cfg | {"fc_norm": False}))
+    with pytest.raises(common.ExportError, match=r"keys \['fc_norm.0.weight', 'fc_norm.1.weight', 'fc_norm.2.weight'\] "
+                                                 r"are not in the vllm layout"):
+        read_head(out)
+    (out / "config.json").write_text(json.dumps(cfg))
+    save_file({k: v for k, v in tensors.items() if not k.startswith("fc_norm.")}, str(out / "model.safetensors"))
+    with pytest.raises(common.ExportError, match=r"missing keys \['fc_norm.0.weight', 'fc_norm.1.weight', "):
+        read_head(out)
 
 
 def test_reader_refuses_unknown_keys_and_inconsistent_layer_ids(head, tmp_path):
@@ -353,7 +393,8 @@ def test_cli(head, tmp_path):
 
 # --- interoperability: the `speculators` package loads our speculators export ---------------------
 
-def test_speculators_package_loads_our_export_with_the_same_logits(head, tmp_path):
+@pytest.mark.parametrize("fc_norm", [False, True])
+def test_speculators_package_loads_our_export_with_the_same_logits(head, eagle31_head, fc_norm, tmp_path):
     try:
         from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
     except Exception as err:  # noqa: BLE001 - any import failure means the package cannot run beside ours
@@ -368,17 +409,23 @@ def test_speculators_package_loads_our_export_with_the_same_logits(head, tmp_pat
     verifier = tmp_path / "verifier"  # the package reads the verifier's config and embedding
     LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=H, intermediate_size=128, num_hidden_layers=8,
                                  num_attention_heads=4, num_key_value_heads=2)).save_pretrained(verifier)
+    head = eagle31_head if fc_norm else head
     out = export_eagle3(head, "speculators", tmp_path / "spec", dtype="float32", target=str(verifier))
     config = Eagle3SpeculatorConfig.from_pretrained(str(out))
     config.transformer_layer_config._attn_implementation = "eager"
     model = Eagle3DraftModel.from_pretrained(str(out), config=config).float().eval()
     assert torch.equal(model.lm_head.weight, head.lm_head.weight) and torch.equal(model.d2t, head.d2t)
+    assert (model.fc_norm is not None) == fc_norm
+    for theirs, ours in zip(model.fc_norm or [], head.fc_norm or []):
+        assert torch.equal(theirs.weight, ours.weight) and theirs.variance_epsilon == ours.eps
 
     g = torch.Generator().manual_seed(1)
     aux, ids, pos = torch.randn(2, 5, 3 * H, generator=g), torch.randint(0, VOCAB, (2, 5), generator=g), torch.arange(5)
     causal = torch.full((5, 5), float("-inf")).triu(1)[None, None].expand(2, 1, 5, 5)
     with torch.no_grad():
-        x = torch.cat([model.embed_tokens(ids), model.fc(aux)], dim=-1)
+        # the package's forward: each captured layer through its own norm (Eagle 3.1), then fc
+        normed = torch.cat([norm(x) for norm, x in zip(model.fc_norm, aux.chunk(3, -1))], -1) if fc_norm else aux
+        x = torch.cat([model.embed_tokens(ids), model.fc(normed)], dim=-1)
         h = model.layers[0](x, attention_mask=causal, position_ids=pos[None].expand(2, 5),
                             position_embeddings=model.rotary_emb(x, pos[None].expand(2, 5)))
         theirs = model.lm_head(model.norm(h))

@@ -20,7 +20,7 @@ from specdistill.data.vocab import build_draft_vocab
 from specdistill.evaluate.bench import BenchError, load_items
 from specdistill.evaluate.run import load_any_head
 from specdistill.export import export_eagle3
-from specdistill.fingerprint import StaleRun, check_head_is_current
+from specdistill.fingerprint import TRAINED_ON, StaleRun, check_head_is_current
 from specdistill.heads.build import build_head
 from specdistill.heads.checkpoint import HeadMismatch, check_head_fits_target, load_head, save_head
 from specdistill.io import CorruptFile, JsonlError, write_checksums
@@ -110,6 +110,12 @@ def test_a_kept_head_is_checked_against_what_is_still_there(trained, tmp_path):
     other = compose_cfg(f"run_root={tmp_path}", "train.lr=0.002")
     with pytest.raises(StaleRun, match=r"final was made from other inputs .*\(train.lr: 0.001 -> 0.002\)"):
         check_head_is_current(final, other, RunLayout.of(other))
+    recorded = json.loads((final / TRAINED_ON).read_text())
+    (final / TRAINED_ON).write_text(json.dumps({k: v for k, v in recorded.items() if k != "head.fc_norm"}))
+    check_head_is_current(final, cfg, RunLayout.of(cfg))  # trained before the field existed: as its default
+    eagle31 = compose_cfg(f"run_root={tmp_path}", "head.fc_norm=true")
+    with pytest.raises(StaleRun, match=r"\(head.fc_norm: False -> True\)"):
+        check_head_is_current(final, eagle31, RunLayout.of(eagle31))
 
 
 def test_a_flipped_feature_byte_is_refused_by_training_and_recaptured_by_capture(trained, tmp_path):

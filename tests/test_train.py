@@ -153,7 +153,8 @@ def test_online_features_match_the_store_and_train(prepared, tmp_path):
 
 def test_a_frozen_lm_head_stays_the_targets_rows_while_the_rest_trains(prepared, tmp_path):
     run_dir = run_dir_from(prepared, tmp_path, "frozen")
-    cfg = compose_cfg(run_dir, "train.max_steps=3", "head.freeze_lm_head=true")
+    # an Eagle 3.1 head: its per-layer norms before fc (starting at ones, the copy heads fitted through them) train
+    cfg = compose_cfg(run_dir, "train.max_steps=3", "head.freeze_lm_head=true", "head.fc_norm=true")
     target = load_target(cfg.target)
     trainer = Trainer(cfg, RunLayout.of(cfg), target)
     head = trainer.head
@@ -161,9 +162,13 @@ def test_a_frozen_lm_head_stays_the_targets_rows_while_the_rest_trains(prepared,
     target_rows = target.model.get_output_embeddings().weight.detach()[draft_ids].to(head.lm_head.weight.dtype)
     fc_before = head.fc.weight.detach().clone()
     assert torch.equal(head.lm_head.weight, target_rows)
+    assert all(torch.equal(norm.weight, torch.ones_like(norm.weight)) for norm in head.fc_norm)
     assert trainer.fit(redacted(cfg))["steps"] == 3
     assert torch.equal(head.lm_head.weight, target_rows)
     assert not torch.equal(head.fc.weight, fc_before)
+    assert not any(torch.equal(norm.weight, torch.ones_like(norm.weight)) for norm in head.fc_norm)
+    saved = load_head(run_dir / "ckpt" / "final")
+    assert saved.config.fc_norm and torch.equal(saved.fc_norm[2].weight, head.fc_norm[2].weight)
     with pytest.raises(ConfigError, match="head.freeze_lm_head"):
         compose_cfg(run_dir, "head.freeze_lm_head=true", "head.init_lm_head_from_target=false")
 

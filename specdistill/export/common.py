@@ -84,11 +84,23 @@ def block_shapes(arch: HeadArch, in_dim: int) -> dict[str, tuple[int, ...]]:
     }
 
 
+def fc_norm_keys(config: Eagle3Config) -> list[str]:
+    """The per-layer norms before `fc` (Eagle 3.1, `fc_norm`), one per captured layer in capture order: every
+    engine's loader names them as we do."""
+    return [f"fc_norm.{i}.weight" for i in range(len(config.aux_layer_ids))] if config.fc_norm else []
+
+
+def eagle3_key_map(key_map: Mapping[str, str | None], config: Eagle3Config) -> dict[str, str | None]:
+    """A layout's `KEY_MAP` for this head: with its `fc_norm` keys, unrenamed, where it has them."""
+    return {**key_map, **{key: key for key in fc_norm_keys(config)}}
+
+
 def eagle3_shapes(config: Eagle3Config) -> dict[str, tuple[int, ...]]:
     """Shape of every EAGLE-3 tensor, under our (SGLang) key names."""
     d = config.arch.hidden_size
     shapes = {
         "embed_tokens.weight": (config.vocab_size, d),
+        **{key: (config.target_hidden_size,) for key in fc_norm_keys(config)},
         "fc.weight": (d, len(config.aux_layer_ids) * config.target_hidden_size),
         **{f"midlayer.{k}": s for k, s in block_shapes(config.arch, 2 * d).items()},
         "midlayer.hidden_norm.weight": (d,),
@@ -97,7 +109,7 @@ def eagle3_shapes(config: Eagle3Config) -> dict[str, tuple[int, ...]]:
         "d2t": (config.draft_vocab_size,),
         "t2d": (config.vocab_size,),
     }
-    assert set(shapes) == set(EAGLE3_KEYS)
+    assert set(shapes) == {*EAGLE3_KEYS, *fc_norm_keys(config)}
     return shapes
 
 
@@ -182,8 +194,11 @@ def cast(state: Mapping[str, torch.Tensor], dtype: str, d2t_dtype: torch.dtype =
     return out
 
 
-def rename(state: Mapping[str, torch.Tensor], key_map: Mapping[str, str | None]) -> dict[str, torch.Tensor]:
-    """Our key -> the engine's key; a key mapped to None is deliberately not written."""
+def rename(state: Mapping[str, torch.Tensor], key_map: Mapping[str, str | None],
+           config: Eagle3Config) -> dict[str, torch.Tensor]:
+    """Our key -> the engine's key (a layout's `KEY_MAP`, with the head's `fc_norm` keys); a key mapped to None is
+    deliberately not written."""
+    key_map = eagle3_key_map(key_map, config)
     return {key_map[k]: v for k, v in state.items() if key_map[k] is not None}
 
 
@@ -246,7 +261,8 @@ def eagle3_fields(config: Eagle3Config, dtype: str) -> dict:
     `num_hidden_layers: 1` sizes the draft's layer stack; `tie_word_embeddings: false` stops SGLang from
     replacing `lm_head` with the embedding; `draft_vocab_size` sizes `lm_head` (a missing one makes the
     engines take the target's full lm_head); `target_hidden_size` sizes `fc`; `bias: false` is the `fc` bias
-    flag SGLang and TensorRT-LLM read; `target_num_hidden_layers` lets our reader rebuild the head config.
+    flag SGLang and TensorRT-LLM read; `fc_norm` (top level, where vLLM, SGLang and TensorRT-LLM read it) builds
+    the per-layer norms before `fc`; `target_num_hidden_layers` lets our reader rebuild the head config.
     """
     return {
         "architectures": [EAGLE3_ARCHITECTURE],
@@ -254,6 +270,7 @@ def eagle3_fields(config: Eagle3Config, dtype: str) -> dict:
         "num_hidden_layers": 1,
         "tie_word_embeddings": False,
         "bias": False,
+        "fc_norm": config.fc_norm,
         "draft_vocab_size": config.draft_vocab_size,
         "target_hidden_size": config.target_hidden_size,
         "target_num_hidden_layers": config.target_num_layers,

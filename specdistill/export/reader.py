@@ -58,6 +58,7 @@ def head_config(config: dict, where: str) -> Eagle3Config:
             arch=arch, vocab_size=layer["vocab_size"], draft_vocab_size=config["draft_vocab_size"],
             target_hidden_size=config.get("target_hidden_size") or layer["hidden_size"],
             aux_layer_ids=aux_layer_ids(config, where), target_num_layers=config["target_num_hidden_layers"],
+            fc_norm=bool(config.get("fc_norm", False)),  # top level in every layout; absent: plain EAGLE-3
         )
     except KeyError as err:
         raise common.ExportError(f"{where}: missing config field {err}") from err
@@ -77,7 +78,8 @@ def read_head(directory: str | Path, dtype: torch.dtype = torch.float32) -> Eagl
     if not weights.exists():
         raise common.ExportError(f"{directory}: no {common.WEIGHTS_FILE}; expected the exported weights")
     tensors = load_file(str(weights))
-    ours = {theirs: mine for mine, theirs in layout.KEY_MAP.items() if theirs is not None}
+    key_map = common.eagle3_key_map(layout.KEY_MAP, head_cfg)
+    ours = {theirs: mine for mine, theirs in key_map.items() if theirs is not None}
     unknown = sorted(set(tensors) - set(ours))
     if unknown:
         raise common.ExportError(f"{weights}: keys {unknown} are not in the {layout.NAME} layout")

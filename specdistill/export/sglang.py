@@ -9,6 +9,10 @@ Weights: all floating tensors in the export dtype; `d2t` int64 (SGLang turns it 
 written (SGLang skips it). Config: the common EAGLE-3 fields (`common.eagle3_fields`); SGLang reads
 `draft_vocab_size`, `tie_word_embeddings`, `target_hidden_size`, `bias`, and
 `eagle_config.eagle_aux_hidden_state_layer_ids` (output-of-layer ids, to which it adds one).
+
+Eagle 3.1 (`fc_norm`): SGLang builds `model.fc_norm` from the top-level `fc_norm` and loads our
+`fc_norm.<i>.weight` into it since sgl-project/sglang#24663; an older SGLang skips the flag and the weights
+silently and serves the head without its norms.
 """
 
 from __future__ import annotations
@@ -32,5 +36,5 @@ def convert(state: Mapping[str, torch.Tensor], config: Eagle3Config, dtype: str 
     """Validated SGLang tensors and config.json for one head (`target` is not recorded here)."""
     common.check_eagle3(state, config, f"{NAME} export", NUM_AUX)
     common.check_target_width(config, f"{NAME} export")
-    return common.Converted(common.rename(common.cast(state, dtype, D2T_DTYPE), KEY_MAP),
+    return common.Converted(common.rename(common.cast(state, dtype, D2T_DTYPE), KEY_MAP, config),
                             common.eagle3_fields(config, dtype))

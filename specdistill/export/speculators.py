@@ -14,7 +14,8 @@ proposal method and the verifier (vLLM requires `verifier.name_or_path` and `spe
 `vllm serve <this dir>` serves the verifier with this draft); top level `draft_vocab_size`,
 `target_hidden_size`, `eagle_aux_hidden_state_layer_ids` (input-to-layer ids), and
 `norm_before_residual: false` (vLLM defaults it to true here, which would change the model), plus the
-speculators flags `norm_before_fc`, `fc_norm`, `norm_output` all false.
+speculators flags `norm_before_fc` and `norm_output` false and `fc_norm` the head's (vLLM's `update_eagle3` passes
+it on; both loaders then build `fc_norm.<i>` and take our `fc_norm.<i>.weight` as they are).
 """
 
 from __future__ import annotations
@@ -64,9 +65,9 @@ def convert(state: Mapping[str, torch.Tensor], config: Eagle3Config, dtype: str 
         **common.layer_id_fields(config),
         "norm_before_residual": False,
         "norm_before_fc": False,
-        "fc_norm": False,
+        "fc_norm": config.fc_norm,
         "norm_output": False,
         "torch_dtype": dtype,
         "dtype": dtype,
     }
-    return common.Converted(common.rename(common.cast(state, dtype, D2T_DTYPE), KEY_MAP), fields)
+    return common.Converted(common.rename(common.cast(state, dtype, D2T_DTYPE), KEY_MAP, config), fields)

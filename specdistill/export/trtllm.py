@@ -8,10 +8,13 @@ lm_head is used. `embed_tokens.weight` is written for our reader; TensorRT-LLM l
 `target_hidden_size != hidden_size` (otherwise it shares the target's, which it equals). `t2d` is not
 read and not written.
 
-Config: the common EAGLE-3 fields (`draft_vocab_size`, `target_hidden_size`, `bias`,
+Config: the common EAGLE-3 fields (`draft_vocab_size`, `target_hidden_size`, `bias`, `fc_norm`,
 `num_hidden_layers: 1`, rope in both spellings) plus `eagle_config` flags the draft model reads, all
 off for our head. The architecture and the captured layers come from the serving options
 (`speculative_config.eagle3_layers_to_capture`, output-of-layer ids, default (1, L//2-1, L-4)).
+Eagle 3.1 (`fc_norm`): `Eagle3DraftModel` reads the top-level `fc_norm` (NVIDIA/TensorRT-LLM#14988), builds one
+norm per captured layer and applies them in `Eagle3ForCausalLM.apply_eagle3_fc`; our `fc_norm.<i>.weight` load
+under `model.` as the other keys do.
 """
 
 from __future__ import annotations
@@ -38,4 +41,4 @@ def convert(state: Mapping[str, torch.Tensor], config: Eagle3Config, dtype: str 
     common.check_eagle3(state, config, f"{NAME} export", NUM_AUX)
     fields = common.eagle3_fields(config, dtype)
     fields["eagle_config"] = {**fields["eagle_config"], **EAGLE_FLAGS}
-    return common.Converted(common.rename(common.cast(state, dtype, D2T_DTYPE), KEY_MAP), fields)
+    return common.Converted(common.rename(common.cast(state, dtype, D2T_DTYPE), KEY_MAP, config), fields)

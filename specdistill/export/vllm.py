@@ -4,7 +4,9 @@ Loader: vLLM `vllm/model_executor/models/llama_eagle3.py`, class `Eagle3LlamaFor
 also as `LlamaForCausalLMEagle3`, the name we write). Its `load_weights` renames `midlayer.` to
 `layers.0.`, maps `d2t` to `draft_id_to_target_id` (int64 parameter) and skips `t2d`, so we write our
 names unchanged, `d2t` as int64 and no `t2d`. `embed_tokens.weight` is written (vLLM loads it when
-present; it equals the target's).
+present; it equals the target's). An Eagle 3.1 head's `fc_norm.<i>.weight` go in unrenamed (`model.fc_norm.<i>`,
+built when the config says `fc_norm: true`); vLLM does not check that a draft's weights all arrived (its
+`load_weights` returns nothing), so a missing one would silently stay at ones: the key set is pinned here.
 
 Config: the common EAGLE-3 fields plus the flags vLLM reads: top-level
 `eagle_aux_hidden_state_layer_ids` (input-to-layer ids; vLLM passes them to the target's
@@ -34,4 +36,4 @@ def convert(state: Mapping[str, torch.Tensor], config: Eagle3Config, dtype: str 
     """Validated vLLM tensors and config.json for one head (`target` is not recorded here)."""
     common.check_eagle3(state, config, f"{NAME} export", NUM_AUX)
     fields = common.eagle3_fields(config, dtype) | {"norm_before_residual": False}
-    return common.Converted(common.rename(common.cast(state, dtype, D2T_DTYPE), KEY_MAP), fields)
+    return common.Converted(common.rename(common.cast(state, dtype, D2T_DTYPE), KEY_MAP, config), fields)

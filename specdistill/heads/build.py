@@ -66,7 +66,7 @@ def build_head(head_cfg: HeadConfig, target, d2t: torch.Tensor, t2d: torch.Tenso
     if head_cfg.kind == "mtp" and declares_mtp(tc):
         return build_native_mtp(target)
     config_cls, head_cls = HEADS[head_cfg.kind]
-    extra = {"num_modules": head_cfg.mtp_num_modules} if head_cfg.kind == "mtp" else {}
+    extra = {"num_modules": head_cfg.mtp_num_modules} if head_cfg.kind == "mtp" else {"fc_norm": head_cfg.fc_norm}
     config = config_cls(
         arch=arch_from_target(tc, head_cfg),
         vocab_size=tc.vocab_size,

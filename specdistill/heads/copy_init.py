@@ -111,7 +111,9 @@ def init_copy_attention(head: Eagle3Head, samples: Iterable[dict[str, torch.Tens
     match_DM = directions[:, : K * m] / spread[: K * m]  # whitened coordinates: x @ match_DM
     value_in_DR, value_out_RD = low_rank(readout_map(normed, head), K * E)
 
-    readout_AM, fit_r2 = token_readout(samples, normed, match_DM)
+    # the read-out is fitted on what fc reads: the features through the head's per-layer norms, where it has them
+    fc_inputs = ({**s, "aux": head.fc_input(s["aux"].to(head.fc.weight))} for s in samples)
+    readout_AM, fit_r2 = token_readout(fc_inputs, normed, match_DM)
 
     fc = head.fc.weight.double()
     orth = torch.linalg.qr(match_DM).Q

@@ -1,8 +1,9 @@
 """EAGLE-3 draft head: fc over the target's captured layers, one decoder layer over
 cat(input_layernorm(embedding), hidden_norm(hidden)), final norm, lm_head over the draft vocabulary.
+Eagle 3.1's `fc_norm` puts one RMSNorm on each captured layer before `fc`.
 
-Parameter names are the SGLang checkpoint layout (`fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`),
-so exporters only rename where an engine wants something else.
+Parameter names are the SGLang checkpoint layout (`fc`, `fc_norm.<i>`, `midlayer.*`, `norm`, `lm_head`, `d2t`,
+`t2d`), so exporters only rename where an engine wants something else.
 
 Shapes: B batch, T tokens, D head hidden, A = num_aux * target hidden, V draft vocab.
 """
@@ -29,6 +30,7 @@ class Eagle3Config(HeadConfigMixin):
     kind: str = "eagle3"
     target_name: str | None = None  # the target it was trained for (None: read back from an engine export)
     target_embedding: str | None = None  # `embedding_fingerprint` of that target's input embedding
+    fc_norm: bool = False  # Eagle 3.1: an RMSNorm per captured layer before fc (a config without it: plain EAGLE-3)
 
 
 class Eagle3Layer(nn.Module):
@@ -58,6 +60,9 @@ class Eagle3Head(DraftHead):
         self.config = config
         arch = config.arch
         num_aux = len(config.aux_layer_ids)
+        # as vLLM builds them: one per captured layer, that layer's width, the draft's rms_norm_eps (the target's)
+        self.fc_norm = nn.ModuleList(RMSNorm(config.target_hidden_size, arch.rms_norm_eps)
+                                     for _ in range(num_aux)) if config.fc_norm else None
         self.fc = nn.Linear(num_aux * config.target_hidden_size, arch.hidden_size, bias=False)
         self.midlayer = Eagle3Layer(arch)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -65,7 +70,15 @@ class Eagle3Head(DraftHead):
 
     def initial_hidden(self, aux_BTA: torch.Tensor, last_BTH: torch.Tensor | None = None) -> torch.Tensor:
         """Step-0 hidden input: the fused target features."""
-        return self.fc(aux_BTA.to(self.fc.weight.dtype))
+        return self.fc(self.fc_input(aux_BTA.to(self.fc.weight.dtype)))
+
+    def fc_input(self, aux_BTA: torch.Tensor) -> torch.Tensor:
+        """What `fc` reads: the captured layers as concatenated, each through its own norm under `fc_norm` (in
+        capture order, as the engines chunk them)."""
+        if self.fc_norm is None:
+            return aux_BTA
+        layers = aux_BTA.chunk(len(self.fc_norm), dim=-1)
+        return torch.cat([norm(layer) for norm, layer in zip(self.fc_norm, layers)], dim=-1)
 
     def step(self, token_ids_BT, hidden_BTD, position_ids_BT, attend, depth: int = 0) -> torch.Tensor:
         """One application of the layer; `attend(q, k, v) -> o` is the attention core (TTT or cached).
