@@ -262,6 +262,7 @@ def checkpoint_mtp_state(target_model, family: MtpFamily, checkpoint: Path) -> d
     config = target_model.config
     target_model.config = with_one_mtp_layer(config)  # what transformers' MtpModel reads of the main model
     target_model.config.name_or_path = str(checkpoint)
+    target_model.config.dtype = next(target_model.parameters()).dtype  # a config built in memory names none
     try:
         mtp = CheckpointMtp.from_pretrained(target_model)
     finally:
