@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from transformers import AutoConfig
-from transformers.core_model_loading import WeightRenaming
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import PrefixChange, WeightRenaming
 from transformers.modeling_layers import MtpLayer, MtpModel
 from transformers.modeling_utils import AttentionInterface
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -240,6 +241,15 @@ def checkpoint_keys(directory: Path) -> list[str]:
     return keys
 
 
+def model_conversions(model) -> list:
+    """The conversions transformers loaded `model` with, or for a model built in memory the ones it writes a
+    checkpoint with (`revert_weight_conversion`'s choice, which our MTP export goes through)."""
+    loaded = getattr(model, "_weight_conversions", None)
+    if loaded is not None:
+        return loaded
+    return [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
+
+
 def checkpoint_mtp_state(target_model, family: MtpFamily, checkpoint: Path) -> dict[str, torch.Tensor]:
     """Layer 0 of the MTP weights in `checkpoint` (a dir of `target_model`'s family) as `MtpLayer` keys, the block
     converted by transformers exactly as the checkpoint's own layers are (it raises on any missing weight). A
@@ -257,7 +267,7 @@ def checkpoint_mtp_state(target_model, family: MtpFamily, checkpoint: Path) -> d
 
         def get_weight_conversions(self, main_model):  # the layer's own keys first, then its block's
             block = WeightRenaming(re.escape(block_prefix), "layers.0.mtp_block.")
-            return [*own, block, *(getattr(main_model, "_weight_conversions", None) or [])]
+            return [*own, block, *model_conversions(main_model)]
 
     config = target_model.config
     target_model.config = with_one_mtp_layer(config)  # what transformers' MtpModel reads of the main model
