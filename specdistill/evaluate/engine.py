@@ -4,10 +4,10 @@ Our evaluator measures a head with our code; a user serves it with an engine tha
 own way. Here the engine (vLLM) runs in its own environment (it pins its own transformers) through
 `vllm_worker.py`: once without a draft, for its plain greedy outputs and speed, then once per export
 layout. Both sides decode the very same token ids (our chat template, greedy, `eval.max_new_tokens`);
-ours drafts a chain of `num_speculative_tokens`, in the engine's dtype, with the EAGLE-3 head read back from
-its export (a target's own MTP module: the in-memory one, its weights rounded to the export dtype). In float32 the two must agree count for count: any difference is a
-finding about the export or the engine (a layer-id convention, a norm flag, the vocabulary map), and is
-reported loudly, never tuned away. The engine serves one request at a time, so each prompt's counts are compared
+ours drafts a chain of `num_speculative_tokens`, in the engine's dtype, with the head read back from its export
+(a target's own MTP module: from the checkpoint it is laid over). In float32 the two must agree count for count:
+any difference is a finding about the export or the engine (a layer-id convention, a norm flag, the vocabulary
+map), and is reported loudly, never tuned away. The engine serves one request at a time, so each prompt's counts are compared
 with ours: a prompt whose plain output already differs is set aside, and a count that differs is an argmax near-tie
 only where `near_ties.py` shows it (one draft within the kernels' measured margin, flipped, reproduces it).
 """
