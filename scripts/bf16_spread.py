@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 
 from specdistill.config import EngineConfig, EvalConfig, TargetConfig
 from specdistill.evaluate.bench import load_items
-from specdistill.evaluate.engine import BF16_SPREAD_FILE, engine_evaluation, tau_z
+from specdistill.evaluate.engine import BF16_SPREAD_FILE, engine_evaluation, tau_of, tau_z
 from specdistill.export import export_eagle3
 from specdistill.export.reader import read_head
 from specdistill.heads.checkpoint import load_head
@@ -77,13 +77,21 @@ def main() -> None:
         chunk = slice(s * args.prompts, (s + 1) * args.prompts)
         z.append(tau_z(summed(served[chunk]), summed(ours[chunk])))
     rms = (sum(v * v for v in z) / len(z)) ** 0.5
+    # each prompt's pair (engine, ours), so a paired statistic can be sized from this run without serving again
+    pairs = [[tau_of(e), tau_of(o), e["drafts"], o["drafts"]] for e, o in zip(served, ours)]
+    differences = [e - o for e, o, *_ in pairs]
+    mean_difference = sum(differences) / len(differences)
+    sd_difference = (sum((d - mean_difference) ** 2 for d in differences) / (len(differences) - 1)) ** 0.5
     command = ["python", "scripts/bf16_spread.py", "--sets", str(args.sets), "--prompts", str(args.prompts),
                "--max-new-tokens", str(args.max_new_tokens)]  # where it ran (--out) is no part of the measurement
     result = {"command": shlex.join(command),
               "engine": f"{report['engine']} {report['version']}", "sets": args.sets,
               "prompts_per_set": args.prompts, "max_new_tokens": args.max_new_tokens, "z": [round(v, 3) for v in z],
               "z_rms": round(rms, 3), "z_limit": round(STANDARD_DEVIATIONS * rms, 3),
-              "tau_engine": report["layouts"]["vllm"]["tau"], "tau_ours": report["ours"]["tau"]}
+              "tau_engine": report["layouts"]["vllm"]["tau"], "tau_ours": report["ours"]["tau"],
+              "paired": {"mean_tau_difference": round(mean_difference, 4),
+                         "sd_tau_difference": round(sd_difference, 4)},
+              "per_prompt": [[round(e, 4), round(o, 4), de, do] for e, o, de, do in pairs]}
     write_json(BF16_SPREAD_FILE, result)
     print(json.dumps(result, indent=1))
     print(f"bfloat16 z over {args.sets} sets of {args.prompts} prompts: rms {rms:.3f}, bound {result['z_limit']} "

@@ -57,7 +57,11 @@ def engine_python(engine: str, configured: str | None, asked_by: str) -> str:
 def engine_env(device: torch.device | None = None) -> dict[str, str]:
     """The environment a worker runs in: the engine's CPU settings, our thread count, and on a GPU only this
     process's GPU (under `accelerate launch` each rank's engine takes its own)."""
-    env = {**ENGINE_ENV, "OMP_NUM_THREADS": str(torch.get_num_threads()), **os.environ}
+    env = {**ENGINE_ENV, "OMP_NUM_THREADS": str(torch.get_num_threads()),
+           # on a CPU the engine core runs inside the worker: its own process and the model runner's each import
+           # torch and vLLM again and then share the cores, which doubles a short run's time (benchmarks/engine_start.py)
+           **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if device is None or device.type == "cpu" else {}),
+           **os.environ}
     if device is not None and device.type == "cuda":
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         index = device.index if device.index is not None else torch.cuda.current_device()

@@ -268,23 +268,32 @@ def faulty(export: Path, out: Path, fault: str) -> Path:
     return out
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("fault", ["layer_ids_off_by_one", "norm_flag_flipped", "d2t_as_absolute_ids"])
-def test_a_faulty_export_makes_the_engine_disagree_or_fail(embedded_run, tmp_path, fault):
+FP32_FAULTS = ["layer_ids_off_by_one", "norm_flag_flipped", "d2t_as_absolute_ids"]
+
+
+@pytest.fixture(scope="module")
+def faults_served(embedded_run, tmp_path_factory):
+    """Each fault's copy of the run's vLLM export served in float32 beside our chain, in one check (our chain and
+    the plain engine run, reused from the run, are shared): the report."""
     run_dir, _ = embedded_run
-    export = faulty(run_dir / "eval" / "engine" / "vllm", tmp_path / fault, fault)
-    out = tmp_path / "out"
-    (out / "engine").mkdir(parents=True)
+    out = tmp_path_factory.mktemp("faults")
+    (out / "engine").mkdir()
     for cached in (run_dir / "eval" / "engine").glob("runs.*"):  # the plain engine run is reused from there
         shutil.copy(cached, out / "engine" / cached.name)
+    export = run_dir / "eval" / "engine" / "vllm"
+    exports = {fault: faulty(export, out / "exports" / fault, fault) for fault in FP32_FAULTS}
     target_cfg = TargetConfig()
-    head = read_head(run_dir / "eval" / "engine" / "vllm")  # what the engine reads
-    report = engine_evaluation(EngineConfig(name="vllm"), served_as_in(run_dir, limit=4, max_new_tokens=48),
-                               load_target(target_cfg), head, {fault: export}, served_dir(target_cfg), out)
-    m = report["layouts"][fault]
+    return engine_evaluation(EngineConfig(name="vllm"), served_as_in(run_dir, limit=4, max_new_tokens=48),
+                             load_target(target_cfg), read_head(export), exports, served_dir(target_cfg), out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", FP32_FAULTS)
+def test_a_faulty_export_makes_the_engine_disagree_or_fail(faults_served, fault):
+    m = faults_served["layouts"][fault]
     if m.get("failed"):  # ids past the vocabulary: vLLM stops, and that is the finding
         assert fault == "d2t_as_absolute_ids" and "out of bounds" in m["finding"], m["finding"]
-        assert "FAILED" in engine.engine_summary_line(report)
+        assert "FAILED" in engine.engine_summary_line(faults_served)
         return
     assert not m["counters_equal_ours"] and "differ from ours in float32" in m["finding"], fault
     # more than a near-tie could move: several prompts moved, or no single flipped draft reproduces the one's counts
@@ -361,41 +370,32 @@ BF16_SIZE = {"limit": 16, "max_new_tokens": 80}  # the size of each prompt set i
 
 @pytest.fixture(scope="module")
 def bf16_served(embedded_run, tmp_path_factory):
-    """The vLLM export of the embedded head served in bfloat16 beside our chain: (report, our head, target, the
-    folder its engine runs are kept in, the evaluation settings)."""
+    """The run's vLLM export, and a copy of it with a fault that costs most of tau (`d2t_rolled`; the bf16 bound is
+    wide: layer ids off by one cost this head too little to stand out at this size), served in bfloat16 beside our
+    chain in one check: the report."""
     run_dir, _ = embedded_run
+    out = tmp_path_factory.mktemp("bf16")
+    export = run_dir / "eval" / "engine" / "vllm"
+    exports = {"vllm": export, "faulty": faulty(export, out / "exports" / "faulty", "d2t_rolled")}
     target_cfg = TargetConfig()
-    head = read_head(run_dir / "eval" / "engine" / "vllm")  # what the engine reads
-    target, out = load_target(target_cfg), tmp_path_factory.mktemp("bf16")
-    ev = served_as_in(run_dir, **BF16_SIZE)
-    report = engine_evaluation(EngineConfig(name="vllm", dtype="bfloat16"), ev, target, head,
-                               {"vllm": run_dir / "eval" / "engine" / "vllm"}, served_dir(target_cfg), out)
-    return report, head, target, out, ev
+    return engine_evaluation(EngineConfig(name="vllm", dtype="bfloat16"), served_as_in(run_dir, **BF16_SIZE),
+                             load_target(target_cfg), read_head(export), exports, served_dir(target_cfg), out)
 
 
 @pytest.mark.slow
 def test_bf16_engine_tau_stays_within_the_measured_bound(bf16_served):
-    report, *_ = bf16_served
     spread = json.loads(engine.BF16_SPREAD_FILE.read_text())
-    assert (report["num_prompts"], report["max_new_tokens"]) == (spread["prompts_per_set"], spread["max_new_tokens"])
-    m = report["layouts"]["vllm"]
+    assert (bf16_served["num_prompts"], bf16_served["max_new_tokens"]) == (spread["prompts_per_set"],
+                                                                          spread["max_new_tokens"])
+    m = bf16_served["layouts"]["vllm"]
     assert m["weight_warnings"] == [] and m["finding"] is None, m["finding"]
     assert abs(m["tau_z_to_ours"]) <= bf16_spread()["z_limit"]
     assert 0 < m["detectable_tau_loss"] < 1 and "19 times in 20" in engine.explained_differences(m)
 
 
 @pytest.mark.slow
-def test_a_bf16_export_read_wrongly_is_a_finding(bf16_served, tmp_path):
-    report, head, target, served_out, ev = bf16_served
-    # a fault that costs most of tau: the bf16 bound is wide (layer ids off by one cost this head too little to
-    # stand out at this size)
-    export = faulty(Path(report["layouts"]["vllm"]["dir"]), tmp_path / "faulty", "d2t_rolled")
-    (tmp_path / "out" / "engine").mkdir(parents=True)
-    for cached in (served_out / "engine").glob("runs.*"):  # the plain engine run is reused from there
-        shutil.copy(cached, tmp_path / "out" / "engine" / cached.name)
-    checked = engine_evaluation(EngineConfig(name="vllm", dtype="bfloat16"), ev, target, head,
-                                {"faulty": export}, served_dir(TargetConfig()), tmp_path / "out")
-    m = checked["layouts"]["faulty"]
+def test_a_bf16_export_read_wrongly_is_a_finding(bf16_served):
+    m = bf16_served["layouts"]["faulty"]
     assert m["finding"] and "beyond bfloat16 sampling noise" in m["finding"], m["tau_z_to_ours"]
 
 

@@ -39,34 +39,42 @@ def chain_tau(target, head) -> float:
     return tau_of(chain_counters([a for rounds in rounds_per_prompt for a in rounds], CHAIN))
 
 
-def trained_briefly(tmp_path: Path, script: str = "train.py") -> tuple[float, float]:
-    """Held-out chain taus of the head `script` trains on the fixed conversations, and of the same head untrained."""
+@pytest.fixture(scope="module")
+def learning_root(tmp_path_factory) -> Path:
+    """One run root for both tests: the second run reads the first's prepared data and features from its store."""
+    return tmp_path_factory.mktemp("learning")
+
+
+def trained_briefly(root: Path, name: str, script: str = "train.py") -> tuple[float, Path]:
+    """The held-out chain tau of the head `script` trains on the fixed conversations, and the store's vocab."""
     overrides = [
-        f"run_root={tmp_path}", "name=learn", "wandb.mode=disabled", "stages=[prepare,capture,train]",
+        f"run_root={root}", f"name={name}", "wandb.mode=disabled", "stages=[prepare,capture,train]",
         "data.source=jsonl", f"data.path={DATA}", "data.regenerate=false", "data.draft_vocab_size=4096",
         *STEPS,
     ]
     proc = subprocess.run([sys.executable, script, *overrides], cwd=ROOT, capture_output=True, text=True,
                           timeout=1200, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    target = computing_in(load_target(TargetConfig()), "bfloat16")
-    vocab = DraftVocab.load(next((tmp_path / "store" / "data").glob("*/vocab.safetensors")))
-    torch.manual_seed(0)
-    untrained = build_head(HeadConfig(), target, vocab.d2t_N, vocab.t2d_V)
-    trained = load_head(trained_head_dir(tmp_path / "learn" / "ckpt"))
-    taus = chain_tau(target, trained), chain_tau(target, untrained)
-    print(f"held-out chain-of-{CHAIN} tau: trained {taus[0]:.3f}, untrained {taus[1]:.3f}")
-    return taus
+    tau = chain_tau(bf16_target(), load_head(trained_head_dir(root / name / "ckpt")))
+    print(f"held-out chain-of-{CHAIN} tau of {script}'s head: {tau:.3f}")
+    return tau, next((root / "store" / "data").glob("*/vocab.safetensors"))
+
+
+def bf16_target():
+    return computing_in(load_target(TargetConfig()), "bfloat16")
 
 
 @pytest.mark.slow
-def test_a_brief_training_beats_a_measured_floor_and_the_untrained_head(tmp_path):
-    trained_tau, untrained_tau = trained_briefly(tmp_path)
+def test_a_brief_training_beats_a_measured_floor_and_the_untrained_head(learning_root):
+    trained_tau, vocab_path = trained_briefly(learning_root, "learn")
+    target, vocab = bf16_target(), DraftVocab.load(vocab_path)
+    torch.manual_seed(0)
+    untrained_tau = chain_tau(target, build_head(HeadConfig(), target, vocab.d2t_N, vocab.t2d_V))
     assert trained_tau >= TRAINED_TAU_FLOOR, (trained_tau, untrained_tau)
     assert trained_tau > untrained_tau + 0.05, (trained_tau, untrained_tau)
 
 
 @pytest.mark.slow
-def test_a_head_trained_on_a_teacher_off_by_one_falls_under_the_floor(tmp_path):
-    trained_tau, untrained_tau = trained_briefly(tmp_path, "tests/learning_fault.py")
-    assert trained_tau < TRAINED_TAU_FLOOR, (trained_tau, untrained_tau)
+def test_a_head_trained_on_a_teacher_off_by_one_falls_under_the_floor(learning_root):
+    trained_tau, _ = trained_briefly(learning_root, "learn_fault", "tests/learning_fault.py")
+    assert trained_tau < TRAINED_TAU_FLOOR, trained_tau

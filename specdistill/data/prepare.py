@@ -107,16 +107,7 @@ def run(cfg: RunConfig, layout: RunLayout, target) -> dict:
     if cfg.data.source == "synth":
         if rank != 0:  # synthesis is one sampling stream; the other ranks wait for its result
             return _wait_for_rank0(data_dir)
-        generation, batch_size = cfg.data.generation, cfg.data.synth.batch_size
-        generator = (vllm_generator(generation, cfg.target, cfg.eval.engine.python, tgt, chat, rank,
-                                    data_dir / "engine", batch_size) if generation.backend == "vllm" else
-                     local_generator(generation.dtype, tgt, chat, batch_size))
-        try:
-            synthesized, collect_rejects = synthesize(generator, chat, cfg.data.synth, cfg.data.documents,
-                                                      generation, cache, cfg.target.name, cfg.seed)
-        finally:
-            if generation.backend == "vllm":
-                generator.close()  # its memory is the next stage's
+        synthesized, collect_rejects = _synthesized(cfg, tgt, chat, cache, data_dir / "engine")
         stream, counted = iter(synthesized), RejectLog()  # synthesis filters are not bad input
     else:
         sources = SourceConversations(cfg, tgt, chat, cache, rank, world, data_dir / "engine")
@@ -170,6 +161,20 @@ def run(cfg: RunConfig, layout: RunLayout, target) -> dict:
     if world > 1:
         torch.distributed.barrier()
     return summary
+
+
+def _synthesized(cfg: RunConfig, tgt: Target, chat: ChatFormat, cache: ResultCache, engine_dir: Path):
+    """Rank 0's self-synthesised conversations and the rejects its filters collected."""
+    generation, batch_size = cfg.data.generation, cfg.data.synth.batch_size
+    generator = (vllm_generator(generation, cfg.target, cfg.eval.engine.python, tgt, chat, 0, engine_dir,
+                                batch_size) if generation.backend == "vllm" else
+                 local_generator(generation.dtype, tgt, chat, batch_size))
+    try:
+        return synthesize(generator, chat, cfg.data.synth, cfg.data.documents, generation, cache, cfg.target.name,
+                          cfg.seed)
+    finally:
+        if generation.backend == "vllm":
+            generator.close()  # its memory is the next stage's
 
 
 def _no_usable_rows(data: DataConfig, data_dir: Path, rejects: RejectLog, total_rows: int) -> NoReturn:
