@@ -53,6 +53,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16, help="prompts per set")
     parser.add_argument("--max-new-tokens", type=int, default=80)
     parser.add_argument("--out", type=Path, default=Path("runs/bf16_spread"))
+    parser.add_argument("--result", type=Path, default=BF16_SPREAD_FILE,
+                        help="where the spread goes (the check reads the default; elsewhere, to compare first)")
     args = parser.parse_args()
     # the head the engine tests serve, learnt from as many prompts as the sets hold (and their test-split rows),
     # trained as many epochs over them
@@ -92,10 +94,10 @@ def main() -> None:
               "paired": {"mean_tau_difference": round(mean_difference, 4),
                          "sd_tau_difference": round(sd_difference, 4)},
               "per_prompt": [[round(e, 4), round(o, 4), de, do] for e, o, de, do in pairs]}
-    write_json(BF16_SPREAD_FILE, result)
+    write_json(args.result, result)
     print(json.dumps(result, indent=1))
     print(f"bfloat16 z over {args.sets} sets of {args.prompts} prompts: rms {rms:.3f}, bound {result['z_limit']} "
-          f"(written to {BF16_SPREAD_FILE})")
+          f"(written to {args.result})")
 
 
 if __name__ == "__main__":
