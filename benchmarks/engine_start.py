@@ -41,6 +41,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     args = parser.parse_args()
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING"):
+        raise SystemExit("unset VLLM_ENABLE_V1_MULTIPROCESSING: this benchmark sets it for each side")
     target_cfg = TargetConfig(dtype="float32")
     target = load_target(target_cfg)
     prompts = [target.prompt_ids(turns[0]) for turns in load_items("spec_bench")[: args.prompts]]
@@ -50,8 +52,6 @@ def main() -> None:
     python = engine_python("vllm", None, "benchmarks/engine_start.py")
     inprocess = engine_env()
     default = {key: value for key, value in inprocess.items() if key != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING"):
-        raise SystemExit("unset VLLM_ENABLE_V1_MULTIPROCESSING: this benchmark sets it for each side")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "request.json"
         path.write_text(json.dumps(request))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -82,8 +83,6 @@ def main() -> None:
     # each prompt's pair (engine, ours), so a paired statistic can be sized from this run without serving again
     pairs = [[tau_of(e), tau_of(o), e["drafts"], o["drafts"]] for e, o in zip(served, ours)]
     differences = [e - o for e, o, *_ in pairs]
-    mean_difference = sum(differences) / len(differences)
-    sd_difference = (sum((d - mean_difference) ** 2 for d in differences) / (len(differences) - 1)) ** 0.5
     command = ["python", "scripts/bf16_spread.py", "--sets", str(args.sets), "--prompts", str(args.prompts),
                "--max-new-tokens", str(args.max_new_tokens)]  # where it ran (--out) is no part of the measurement
     result = {"command": shlex.join(command),
@@ -91,8 +90,8 @@ def main() -> None:
               "prompts_per_set": args.prompts, "max_new_tokens": args.max_new_tokens, "z": [round(v, 3) for v in z],
               "z_rms": round(rms, 3), "z_limit": round(STANDARD_DEVIATIONS * rms, 3),
               "tau_engine": report["layouts"]["vllm"]["tau"], "tau_ours": report["ours"]["tau"],
-              "paired": {"mean_tau_difference": round(mean_difference, 4),
-                         "sd_tau_difference": round(sd_difference, 4)},
+              "paired": {"mean_tau_difference": round(statistics.fmean(differences), 4),
+                         "sd_tau_difference": round(statistics.stdev(differences), 4)},
               "per_prompt": [[round(e, 4), round(o, 4), de, do] for e, o, de, do in pairs]}
     write_json(args.result, result)
     print(json.dumps(result, indent=1))

@@ -268,6 +268,15 @@ def faulty(export: Path, out: Path, fault: str) -> Path:
     return out
 
 
+def reusing_engine_runs(run_dir: Path, out: Path) -> Path:
+    """`out`, its engine folder holding the engine runs `run_dir`'s evaluation made, so the same requests (the plain
+    run among them) are read back, not served again."""
+    (out / "engine").mkdir(parents=True)
+    for cached in (run_dir / "eval" / "engine").glob("runs.*"):
+        shutil.copy(cached, out / "engine" / cached.name)
+    return out
+
+
 FP32_FAULTS = ["layer_ids_off_by_one", "norm_flag_flipped", "d2t_as_absolute_ids"]
 
 
@@ -276,10 +285,7 @@ def faults_served(embedded_run, tmp_path_factory):
     """Each fault's copy of the run's vLLM export served in float32 beside our chain, in one check (our chain and
     the plain engine run, reused from the run, are shared): the report."""
     run_dir, _ = embedded_run
-    out = tmp_path_factory.mktemp("faults")
-    (out / "engine").mkdir()
-    for cached in (run_dir / "eval" / "engine").glob("runs.*"):  # the plain engine run is reused from there
-        shutil.copy(cached, out / "engine" / cached.name)
+    out = reusing_engine_runs(run_dir, tmp_path_factory.mktemp("faults") / "check")
     export = run_dir / "eval" / "engine" / "vllm"
     exports = {fault: faulty(export, out / "exports" / fault, fault) for fault in FP32_FAULTS}
     target_cfg = TargetConfig()
@@ -405,10 +411,7 @@ def test_a_bf16_export_read_wrongly_is_a_finding(bf16_served):
 @pytest.mark.slow
 def test_eval_engine_script_serves_an_export_as_the_evaluate_stage_did(embedded_run, tmp_path):
     run_dir, _ = embedded_run
-    out = tmp_path / "engine_eval"
-    (out / "engine").mkdir(parents=True)
-    for cached in (run_dir / "eval" / "engine").glob("runs.*"):  # the same requests: vLLM's runs are reused
-        shutil.copy(cached, out / "engine" / cached.name)
+    out = reusing_engine_runs(run_dir, tmp_path / "engine_eval")
     proc = subprocess.run([sys.executable, "commands/engine.py", f"head={run_dir / 'eval' / 'engine' / 'vllm'}",
                            f"bench={run_dir.parent / 'prompts.jsonl'}", "limit=4", "max_new_tokens=48",
                            f"out={out}"], cwd=ROOT, capture_output=True, text=True,
@@ -472,10 +475,7 @@ def mtp_fault(model_dir: Path, out: Path, fault: str) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["concat_order_swapped", "layer_index_off_by_one"])
 def test_a_faulty_mtp_export_makes_the_engine_disagree_or_fail(glm_mtp_run, tmp_path, fault):
-    out = tmp_path / "out"
-    (out / "engine").mkdir(parents=True)
-    for cached in (glm_mtp_run / "eval" / "engine").glob("runs.*"):  # the plain engine run is reused from there
-        shutil.copy(cached, out / "engine" / cached.name)
+    out = reusing_engine_runs(glm_mtp_run, tmp_path / "out")
     target_cfg = TargetConfig(name="random", random=RandomTargetConfig(family="glm4_moe", max_position_embeddings=8192))
     target, served_model = load_target(target_cfg), glm_mtp_run / "eval" / "engine" / "native_mtp"
     head = engine.served_module(load_head(trained_head_dir(glm_mtp_run / "ckpt")), target.model, served_model)

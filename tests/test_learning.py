@@ -45,7 +45,12 @@ def learning_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("learning")
 
 
-def trained_briefly(root: Path, name: str, script: str = "train.py") -> tuple[float, Path]:
+@pytest.fixture(scope="module")
+def bf16_target():
+    return computing_in(load_target(TargetConfig()), "bfloat16")
+
+
+def trained_briefly(target, root: Path, name: str, script: str = "train.py") -> tuple[float, Path]:
     """The held-out chain tau of the head `script` trains on the fixed conversations, and the store's vocab."""
     overrides = [
         f"run_root={root}", f"name={name}", "wandb.mode=disabled", "stages=[prepare,capture,train]",
@@ -55,26 +60,22 @@ def trained_briefly(root: Path, name: str, script: str = "train.py") -> tuple[fl
     proc = subprocess.run([sys.executable, script, *overrides], cwd=ROOT, capture_output=True, text=True,
                           timeout=1200, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    tau = chain_tau(bf16_target(), load_head(trained_head_dir(root / name / "ckpt")))
+    tau = chain_tau(target, load_head(trained_head_dir(root / name / "ckpt")))
     print(f"held-out chain-of-{CHAIN} tau of {script}'s head: {tau:.3f}")
     return tau, next((root / "store" / "data").glob("*/vocab.safetensors"))
 
 
-def bf16_target():
-    return computing_in(load_target(TargetConfig()), "bfloat16")
-
-
 @pytest.mark.slow
-def test_a_brief_training_beats_a_measured_floor_and_the_untrained_head(learning_root):
-    trained_tau, vocab_path = trained_briefly(learning_root, "learn")
-    target, vocab = bf16_target(), DraftVocab.load(vocab_path)
+def test_a_brief_training_beats_a_measured_floor_and_the_untrained_head(bf16_target, learning_root):
+    trained_tau, vocab_path = trained_briefly(bf16_target, learning_root, "learn")
+    vocab = DraftVocab.load(vocab_path)
     torch.manual_seed(0)
-    untrained_tau = chain_tau(target, build_head(HeadConfig(), target, vocab.d2t_N, vocab.t2d_V))
+    untrained_tau = chain_tau(bf16_target, build_head(HeadConfig(), bf16_target, vocab.d2t_N, vocab.t2d_V))
     assert trained_tau >= TRAINED_TAU_FLOOR, (trained_tau, untrained_tau)
     assert trained_tau > untrained_tau + 0.05, (trained_tau, untrained_tau)
 
 
 @pytest.mark.slow
-def test_a_head_trained_on_a_teacher_off_by_one_falls_under_the_floor(learning_root):
-    trained_tau, _ = trained_briefly(learning_root, "learn_fault", "tests/learning_fault.py")
+def test_a_head_trained_on_a_teacher_off_by_one_falls_under_the_floor(bf16_target, learning_root):
+    trained_tau, _ = trained_briefly(bf16_target, learning_root, "learn_fault", "tests/learning_fault.py")
     assert trained_tau < TRAINED_TAU_FLOOR, trained_tau
