@@ -77,7 +77,7 @@ class Target:
         """Every token that ends a turn: the tokenizer's eos and the model config's."""
         ids = self.model.config.eos_token_id
         ids = [ids] if isinstance(ids, int) else list(ids or [])
-        return {self.tokenizer.eos_token_id, *ids}
+        return {*([self.tokenizer.eos_token_id] if self.tokenizer is not None else []), *ids}
 
     def prompt_ids(self, user_text: str) -> list[int]:
         """A user turn rendered with the target's chat template, ready for the assistant's answer."""

@@ -22,15 +22,9 @@ from safetensors.torch import load_file, save_file
 from specdistill.config import EngineConfig, EvalConfig, RandomTargetConfig, TargetConfig
 from specdistill.evaluate import engine
 from specdistill.evaluate.bench import load_items
-from specdistill.evaluate.engine import (
-    COUNTED,
-    bf16_spread,
-    chain_counters,
-    compare,
-    engine_evaluation,
-    our_chain,
-    served_exports,
-)
+from specdistill.evaluate.counters import COUNTED, chain_counters
+from specdistill.evaluate.engine import compare, engine_evaluation, our_chain, served_exports
+from specdistill.evaluate.forced import bf16_spread, replay_bound
 from specdistill.evaluate.report import engine_markdown
 from specdistill.export import common, export_eagle3
 from specdistill.export.reader import read_head
@@ -117,32 +111,31 @@ def test_speculative_outputs_unlike_the_engines_plain_ones_are_a_float32_finding
     lossy = compare(ours, served([[1, 2], [3, 5]], ours), plain, outputs, "float32", explained_as(False), 1e-5)
     assert lossy["counters_equal_ours"] and lossy["mismatched_prompts"] == [1] and lossy["outputs_equal_plain"] == 1
     assert "not lossless in the engine: 1 of 2" in lossy["finding"]
-    assert compare(ours, served([[1, 2], [3, 5]], ours), plain, outputs, "bfloat16")["finding"] is None
+    assert compare(ours, served([[1, 2], [3, 5]], ours), plain, outputs, "bfloat16", replayed=ours)["finding"] is None
     warned = compare(ours, served(outputs, ours, ["weights not found: fc.weight"]), plain, outputs, "float32")
     assert "did not load" in warned["finding"]
 
 
-def test_bfloat16_flags_a_tau_beyond_its_measured_spread():
+def test_bfloat16_holds_the_engine_tau_against_our_replay_along_its_outputs():
     outputs = [[1, 2], [3, 4]]
     ours = counted([[0, 3, 1, 2] * 12, [0, 3, 1, 2] * 13])  # 100 drafts, tau 2.5
     plain = served(outputs, counted([[], []]))
+    # the yardstick is our chain along the engine's outputs, not our free decode (another text in bfloat16)
+    free = counted([[0] * 50, [0] * 50])
+    alike = compare(free, served(outputs, ours), plain, outputs, "bfloat16", replayed=ours)
+    assert alike["finding"] is None and alike["tau_ratio_to_replay"] == 1.0 and alike["tau_ratio_to_ours"] == 2.5
+    assert "1.000x our chain along the engine's outputs" in engine.explained_differences(alike)
     one_off = counted([[0, 3, 1, 2] * 12, [1, 3, 1, 2] + [0, 3, 1, 2] * 12])
-    assert compare(ours, served(outputs, one_off), plain, outputs, "bfloat16")["finding"] is None
-    # tau 2.25 against 2.5 over 100 and over 10,000 drafts: flagged exactly when beyond the measured bound
+    assert compare(ours, served(outputs, one_off), plain, outputs, "bfloat16", replayed=ours)["finding"] is None
+    # tau 2.25 against 2.5 (a tenth lost) over 100 and over 10,000 drafts: flagged exactly when beyond the bound
     for scale in (25, 2500):
         base, fewer = counted([[0, 3, 1, 2] * scale, []]), counted([[0, 2, 1, 2] * scale, []])
-        entry = compare(base, served(outputs, fewer), plain, outputs, "bfloat16")
-        beyond = abs(entry["tau_z_to_ours"]) > bf16_spread()["z_limit"]
-        assert (entry["finding"] is not None) == beyond and (scale == 25 or beyond), entry["tau_z_to_ours"]
-        assert not beyond or "beyond bfloat16 sampling noise" in entry["finding"]
-
-
-def test_tau_z_is_the_difference_in_standard_errors():
-    ours = chain_counters([0, 3, 1, 2] * 25, 3)  # accepted lengths 0..3, each 25 times: mean 1.5, variance 1.25
-    assert engine.tau_z(ours, ours) == 0.0
-    more = chain_counters([1, 3, 1, 2] * 25, 3)  # mean 1.75, variance 0.6875
-    assert engine.tau_z(more, ours) == pytest.approx(0.25 / ((0.6875 + 1.25) / 100) ** 0.5)
-    assert engine.tau_z(ours, more) == pytest.approx(-engine.tau_z(more, ours))
+        entry = compare(base, served(outputs, fewer), plain, outputs, "bfloat16", replayed=base)
+        beyond = abs(entry["tau_ratio_to_replay"] - 1) > replay_bound(base["drafts"])[0]
+        assert (entry["finding"] is not None) == beyond and (scale == 25 or beyond), entry["tau_ratio_to_replay"]
+        assert not beyond or "beyond bfloat16 rounding" in entry["finding"]
+    with pytest.raises(ValueError, match="pass `replayed`"):
+        compare(ours, served(outputs, ours), plain, outputs, "bfloat16")
 
 
 def test_the_root_cause_is_the_first_exception_line_of_the_log_tail():
@@ -371,18 +364,18 @@ def served_as_in(run_dir: Path, **settings) -> EvalConfig:
     return EvalConfig(bench=str(run_dir.parent / "prompts.jsonl"), **settings)
 
 
-BF16_SIZE = {"limit": 16, "max_new_tokens": 80}  # the size of each prompt set in bf16_spread.json
+BF16_SIZE = {"limit": 8, "max_new_tokens": 80}  # the size of each prompt set in bf16_spread.json
+BF16_FAULTS = ["d2t_rolled", "norm_flag_flipped"]  # most of the test head's tau, and about a fifth: both above a tenth
 
 
 @pytest.fixture(scope="module")
 def bf16_served(embedded_run, tmp_path_factory):
-    """The run's vLLM export, and a copy of it with a fault that costs most of tau (`d2t_rolled`; the bf16 bound is
-    wide: layer ids off by one cost this head too little to stand out at this size), served in bfloat16 beside our
-    chain in one check: the report."""
+    """The run's vLLM export and a copy of it with each fault in `BF16_FAULTS`, served in bfloat16 beside our chain
+    in one check: the report."""
     run_dir, _ = embedded_run
     out = tmp_path_factory.mktemp("bf16")
     export = run_dir / "eval" / "engine" / "vllm"
-    exports = {"vllm": export, "faulty": faulty(export, out / "exports" / "faulty", "d2t_rolled")}
+    exports = {"vllm": export, **{fault: faulty(export, out / "exports" / fault, fault) for fault in BF16_FAULTS}}
     target_cfg = TargetConfig()
     return engine_evaluation(EngineConfig(name="vllm", dtype="bfloat16"), served_as_in(run_dir, **BF16_SIZE),
                              load_target(target_cfg), read_head(export), exports, served_dir(target_cfg), out)
@@ -390,19 +383,21 @@ def bf16_served(embedded_run, tmp_path_factory):
 
 @pytest.mark.slow
 def test_bf16_engine_tau_stays_within_the_measured_bound(bf16_served):
-    spread = json.loads(engine.BF16_SPREAD_FILE.read_text())
+    spread = bf16_spread()
     assert (bf16_served["num_prompts"], bf16_served["max_new_tokens"]) == (spread["prompts_per_set"],
                                                                           spread["max_new_tokens"])
     m = bf16_served["layouts"]["vllm"]
     assert m["weight_warnings"] == [] and m["finding"] is None, m["finding"]
-    assert abs(m["tau_z_to_ours"]) <= bf16_spread()["z_limit"]
-    assert 0 < m["detectable_tau_loss"] < 1 and "19 times in 20" in engine.explained_differences(m)
+    assert abs(m["tau_ratio_to_replay"] - 1) <= m["replay_bound"]
+    # this size catches a tenth of tau lost 19 times in 20
+    assert 0 < m["detectable_tau_loss"] <= 0.10 and "lower 19 times in 20" in engine.explained_differences(m)
 
 
 @pytest.mark.slow
-def test_a_bf16_export_read_wrongly_is_a_finding(bf16_served):
-    m = bf16_served["layouts"]["faulty"]
-    assert m["finding"] and "beyond bfloat16 sampling noise" in m["finding"], m["tau_z_to_ours"]
+@pytest.mark.parametrize("fault", BF16_FAULTS)
+def test_a_bf16_export_read_wrongly_is_a_finding(bf16_served, fault):
+    m = bf16_served["layouts"][fault]
+    assert m["finding"] and "beyond bfloat16 rounding" in m["finding"], m["tau_ratio_to_replay"]
 
 
 # --- the script on the smoke target ---------------------------------------------------------------------

@@ -17,7 +17,8 @@ import torch
 
 from specdistill.config import EvalConfig, HeadConfig, TargetConfig
 from specdistill.data.vocab import DraftVocab
-from specdistill.evaluate.engine import chain_counters, our_chain, tau_of
+from specdistill.evaluate.counters import chain_counters, tau_of
+from specdistill.evaluate.engine import our_chain
 from specdistill.heads.build import build_head
 from specdistill.heads.checkpoint import load_head
 from specdistill.layout import trained_head_dir

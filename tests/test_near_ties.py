@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdistill.decode.loop import plain_generate
-from specdistill.evaluate.engine import chain_counters
+from specdistill.evaluate.counters import chain_counters
 from specdistill.evaluate.near_ties import (
     MAX_REPLAYS,
     explain,

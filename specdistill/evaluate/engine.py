@@ -9,7 +9,9 @@ ours drafts a chain of `num_speculative_tokens`, in the engine's dtype, with the
 any difference is a finding about the export or the engine (a layer-id convention, a norm flag, the vocabulary
 map), and is reported loudly, never tuned away. The engine serves one request at a time, so each prompt's counts are compared
 with ours: a prompt whose plain output already differs is set aside, and a count that differs is an argmax near-tie
-only where `near_ties.py` shows it (one draft within the kernels' measured margin, flipped, reproduces it).
+only where `near_ties.py` shows it (one draft within the kernels' measured margin, flipped, reproduces it). In
+bfloat16 the two decodes part ways by rounding, so the engine's tau is held against our chain replayed along the
+engine's own outputs (`forced.py`), within a bound measured on correct exports.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from specdistill.decode.loop import speculative_generate
 from specdistill.decode.verify import GREEDY
 from specdistill.engines import EXCEPTION_LINE, EngineError, engine_env, engine_python, log_tail
 from specdistill.evaluate.bench import conversation_ids, load_prompts, turn_batches
+from specdistill.evaluate.counters import COUNTED, chain_counters, same_counts, tau_of
+from specdistill.evaluate.forced import bf16_spread, detectable_tau_loss, replay_bound, replayed_counters
 from specdistill.evaluate.near_ties import explain, kernel_margin_gap
 from specdistill.export import export_eagle3, export_mtp
 from specdistill.export.common import CONFIG_FILE, WEIGHTS_FILE, read_config
@@ -44,11 +48,6 @@ WORKERS = {"vllm": Path(__file__).with_name("vllm_worker.py")}
 # Log lines in which an engine says weights were skipped, left uninitialised or not found.
 WEIGHT_PROBLEM = re.compile(r"missing (keys?|weights?|parameters?)|unexpected (keys?|weights?|parameters?)"
                             r"|not (been )?(loaded|initiali[sz]ed)|were not used|weights not found", re.IGNORECASE)
-# bfloat16: the engine's and our decodes part ways (rounding differs by batch shape), so the two taus are two samples
-# of one acceptance process, compared in standard errors (`tau_z`); the bound is measured, 3 x the spread of that z
-# over prompt sets served from a correct export (scripts/bf16_spread.py writes the file with its command).
-BF16_SPREAD_FILE = Path(__file__).with_name("bf16_spread.json")
-COUNTED = ("drafts", "accepted", "accepted_per_pos")  # the counters both sides keep
 
 
 def served_module(head, target_model, checkpoint: Path):
@@ -57,51 +56,6 @@ def served_module(head, target_model, checkpoint: Path):
     out = copy.deepcopy(head)
     out.layer.load_state_dict(checkpoint_mtp_state(target_model, head.family, checkpoint))
     return out
-
-
-def chain_counters(rounds: list[int], k: int) -> dict:
-    """The engine's counters from accepted drafts per round: rounds, accepted tokens, accepted per position."""
-    return {"drafts": len(rounds), "accepted": sum(rounds),
-            "accepted_per_pos": [sum(a > p for a in rounds) for p in range(k)]}
-
-
-def bf16_spread() -> dict | None:
-    """The measured spread (`scripts/bf16_spread.py`), or None where it was never measured."""
-    return json.loads(BF16_SPREAD_FILE.read_text()) if BF16_SPREAD_FILE.exists() else None
-
-
-def detectable_tau_loss(ours: dict) -> float | None:
-    """The share of tau an export can lose and still be flagged 19 times in 20 by a bfloat16 check of this size:
-    the bound plus 1.645 measured spreads, in standard errors of a difference at our variance."""
-    mean, variance, drafts = accepted_moments(ours)
-    if (spread := bf16_spread()) is None or not drafts:
-        return None
-    return (spread["z_limit"] + 1.645 * spread["z_rms"]) * (2 * variance / drafts) ** 0.5 / (1 + mean)
-
-
-def same_counts(a: dict, b: dict) -> bool:
-    return all(a[key] == b[key] for key in COUNTED)
-
-
-def tau_of(counters: dict) -> float:
-    """1 + accepted / drafts: the engine's mean acceptance length, our tau."""
-    return 1 + counters["accepted"] / counters["drafts"] if counters["drafts"] else 1.0
-
-
-def accepted_moments(c: dict) -> tuple[float, float, int]:
-    """Mean and variance of the accepted length per draft, and the number of drafts, from the per-position counts
-    (position p is reached by the drafts accepting more than p tokens)."""
-    n, reach = c["drafts"], [*c["accepted_per_pos"], 0]
-    hist = {0: n - reach[0], **{i + 1: reach[i] - reach[i + 1] for i in range(len(reach) - 1)}}
-    mean = sum(k * v for k, v in hist.items()) / n
-    return mean, sum(v * (k - mean) ** 2 for k, v in hist.items()) / n, n
-
-
-def tau_z(a: dict, b: dict) -> float:
-    """(tau_a - tau_b) in standard errors of the difference."""
-    (ma, va, na), (mb, vb, nb) = accepted_moments(a), accepted_moments(b)
-    se = (va / na + vb / nb) ** 0.5
-    return (ma - mb) / se if se else 0.0
 
 
 def our_chain(target: Target, head, ev: EvalConfig, k: int) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
@@ -165,10 +119,13 @@ def root_cause(message: str) -> str:
 
 
 def compare(ours: dict, served: dict, plain: dict, our_outputs: list[list[int]], dtype: str, explain_prompt=None,
-            epsilon: float | None = None) -> dict:
+            epsilon: float | None = None, replayed: dict | None = None) -> dict:
     """One layout's engine run beside ours: counters (in all and per prompt), tau ratio, lossless check, speed, and
     any finding. In float32 `explain_prompt(i, engine_counters)` says why prompt i's counts differ
-    (`near_ties.explain`), prompt after prompt up to the first that is no near-tie."""
+    (`near_ties.explain`), prompt after prompt up to the first that is no near-tie. In bfloat16 `replayed` holds our
+    chain's counters along the engine's outputs (`forced.chain_along`), which its tau is held against."""
+    if dtype != "float32" and replayed is None:
+        raise ValueError(f"a {dtype} engine run is judged against our chain along its outputs: pass `replayed`")
     counters = served["counters"]
     new_tokens = sum(len(o) for o in served["outputs"])
     mismatched = [i for i, (a, b) in enumerate(zip(served["outputs"], plain["outputs"])) if a != b]
@@ -192,8 +149,10 @@ def compare(ours: dict, served: dict, plain: dict, our_outputs: list[list[int]],
         "read_differently": [{"prompt": i, **e} for i, e in explained.items() if not e["near_tie"]],
         "not_replayed": [i for i in differing if i not in explained] if explained else [],
         "tau_ratio_to_ours": tau_of(counters) / tau_of(ours),
-        "tau_z_to_ours": tau_z(counters, ours),
-        "detectable_tau_loss": None if dtype == "float32" else detectable_tau_loss(ours),
+        **({} if replayed is None else {
+            "replay": replayed, "tau_ratio_to_replay": tau_of(counters) / tau_of(replayed),
+            "replay_bound": (replay_bound(replayed["drafts"]) or (None,))[0],
+            "detectable_tau_loss": detectable_tau_loss(replayed["drafts"])}),
         "outputs_equal_plain": len(served["outputs"]) - len(mismatched),
         "mismatched_prompts": mismatched,
         "outputs_equal_ours": sum(a == b for a, b in zip(served["outputs"], our_outputs)),
@@ -241,9 +200,10 @@ def finding_of(entry: dict, ours: dict, num_prompts: int, dtype: str) -> str | N
                         "how it was trained")
     elif dtype != "float32" and spread is None:
         findings.append(f"no measured {dtype} bound to judge the engine's tau by (scripts/bf16_spread.py writes it)")
-    elif dtype != "float32" and abs(entry["tau_z_to_ours"]) > spread["z_limit"]:
-        findings.append(f"engine tau / ours = {entry['tau_ratio_to_ours']:.3f}, {entry['tau_z_to_ours']:+.1f} standard "
-                        f"errors apart: beyond {dtype} sampling noise (limit {spread['z_limit']:g})")
+    elif dtype != "float32" and abs(entry["tau_ratio_to_replay"] - 1) > entry["replay_bound"]:
+        findings.append(f"engine tau / our chain's along the engine's outputs = {entry['tau_ratio_to_replay']:.3f} "
+                        f"({entry['tau']:.3f} against {tau_of(entry['replay']):.3f}): beyond {dtype} rounding (bound "
+                        f"{entry['replay_bound']:.1%} at {entry['replay']['drafts']} drafts)")
     if dtype == "float32" and entry["mismatched_prompts"]:  # bfloat16 rounds a k-token verify unlike a 1-token step
         findings.append(f"speculation is not lossless in the engine: {len(entry['mismatched_prompts'])} of "
                         f"{num_prompts} speculative outputs differ from its plain greedy ones (prompts "
@@ -287,12 +247,16 @@ def engine_evaluation(ec: EngineConfig, ev: EvalConfig, target: Target, head, ex
                   "outputs_equal_ours": sum(a == b for a, b in zip(plain["outputs"], our_outputs))},
         "layouts": {},
     }
+    replays = {}  # the engine's outputs -> our chain along them: layouts that answer alike are replayed once
     for name, directory in exports.items():
         layout = detect_layout(read_config(directory))
         log.info("%s: the %s export %s drafting %d tokens", ec.name, layout, directory, k)
         try:
             served = run_worker(ec.name, python, {**request, "draft": str(directory), "layout": layout}, work, name)
-            entry = compare(ours, served, plain, our_outputs, ec.dtype, explain_prompt, epsilon)
+            if ec.dtype != "float32" and (key := json.dumps(served["outputs"])) not in replays:
+                replays[key] = replayed_counters(target, head, prompts, served["outputs"], k, ev.max_new_tokens)
+            entry = compare(ours, served, plain, our_outputs, ec.dtype, explain_prompt, epsilon,
+                            replays.get(json.dumps(served["outputs"])))
         except EngineError as err:  # the other layouts still run; the failure is the finding
             entry = {"failed": True, "finding": f"{ec.name} failed serving this export: {root_cause(str(err))}"}
         report["layouts"][name] = {"layout": layout, "dir": str(directory), **entry}
@@ -304,13 +268,15 @@ def engine_evaluation(ec: EngineConfig, ev: EvalConfig, target: Target, head, ex
 
 
 def explained_differences(m: dict) -> str:
-    """The differences that are not findings: near-ties shown by a replay, prompts set aside."""
+    """The differences that are not findings: near-ties shown by a replay, prompts set aside, a bfloat16 tau within
+    its bound."""
     notes = [f"prompt {t['prompt']} a near-tie (round {t['round']}, position {t['position']}: margin "
              f"{t['margin']:.2g} < epsilon {m['epsilon']:.2g})" for t in m.get("near_ties", [])]
     if m.get("set_aside"):
         notes.append(f"prompts {m['set_aside']} set aside (the target decodes them differently in the engine)")
-    if m.get("detectable_tau_loss"):
-        notes.append(f"this size flags a tau {m['detectable_tau_loss']:.0%} lower than ours 19 times in 20")
+    if m.get("replay_bound") is not None:
+        notes.append(f"{m['tau_ratio_to_replay']:.3f}x our chain along the engine's outputs (bound "
+                     f"{m['replay_bound']:.1%}; this size flags a tau {m['detectable_tau_loss']:.0%} lower 19 times in 20)")
     return "; ".join(notes)
 
 
@@ -385,9 +351,9 @@ def engine_digest(report: dict) -> dict:
     return {"engine": report["engine"], "version": report["version"], "dtype": report["dtype"],
             "num_speculative_tokens": report["num_speculative_tokens"], "num_prompts": report["num_prompts"],
             "ours_chain_tau": report["ours"]["tau"], "ours_accepted_per_pos": report["ours"]["accepted_per_pos"],
-            "layouts": {layout: {key: m.get(key) for key in ("tau", "tau_ratio_to_ours", "counters_equal_ours",
-                                                             "prompts_equal_ours", "accepted_per_pos",
-                                                             "outputs_equal_plain", "finding")}
+            "layouts": {layout: {key: m.get(key) for key in ("tau", "tau_ratio_to_ours", "tau_ratio_to_replay",
+                                                             "counters_equal_ours", "prompts_equal_ours",
+                                                             "accepted_per_pos", "outputs_equal_plain", "finding")}
                         | {"explained": explained_differences(m)}
                         for layout, m in report["layouts"].items()},
             "line": engine_summary_line(report)}

@@ -68,7 +68,9 @@ def engine_markdown(e: dict) -> list[str]:
              "|---|---|---|---|---|---|---|---|"]
     lines += [f"| {layout} | failed | {e['ours_chain_tau']:.3f} | - | - | - | - | **{m['finding']}** |"
               if m["tau"] is None else
-              f"| {layout} | {m['tau']:.3f} | {e['ours_chain_tau']:.3f} | {m['tau_ratio_to_ours']:.3f}x "
+              f"| {layout} | {m['tau']:.3f} | {e['ours_chain_tau']:.3f} | {m['tau_ratio_to_ours']:.3f}x"
+              + (f" ({m['tau_ratio_to_replay']:.3f}x our chain along its outputs)" if m.get("tau_ratio_to_replay")
+                 else "") + " "
               f"| {m['accepted_per_pos']} / {e['ours_accepted_per_pos']} "
               f"| {m['prompts_equal_ours']}/{e['num_prompts']} | {m['outputs_equal_plain']} "
               f"| {('**' + m['finding'] + '**') if m['finding'] else m['explained'] or '-'} |"
