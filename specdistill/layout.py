@@ -13,6 +13,8 @@
         train/                     history.json, curves.png, samples-rank-R.json
         eval/                      report.json, outputs.jsonl, acceptance.png, summary.md, partial/
         export/<format>/           one directory per engine layout
+        anchor/                    speculators' own head beside ours (benchmarks/anchor.py): its inputs, its
+                                   checkpoints, both served, anchor.json
         failed/rank-R.json         the first failure of a multi-rank job
 
 A store entry's key hashes the settings its output depends on (`data_key`, `features_key`), so runs that
@@ -168,6 +170,10 @@ class RunLayout:
     @property
     def export_dir(self) -> Path:
         return self._output("export", self.run_dir / "export")
+
+    @property
+    def anchor_dir(self) -> Path:
+        return self.run_dir / "anchor"
 
     def trained_head_dir(self) -> Path:
         """`best/` if training kept one, else `final/`: the head evaluate and export use. A corrupted best/ falls

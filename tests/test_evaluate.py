@@ -55,6 +55,24 @@ def test_tau_intervals_resample_prompts_and_pair_the_drafters():
     assert same["head"]["tau_ci"] == [2.0, 2.0] and same["copy"]["head_ratio_ci"] == [1.0, 1.0]
 
 
+def test_the_engine_counters_ratio_pairs_prompts_and_agrees_with_the_rounds_bootstrap():
+    # the rounds of the test above as an engine's per-prompt counters (drafts = rounds, accepted = their sum)
+    head, other, rounds_of = [1, 3, 0, 2, 2], [0, 2, 0, 1, 1], [0, 0, 1, 2, 2]
+
+    def counters(accepted):
+        return [{"drafts": rounds_of.count(p), "accepted": sum(a for a, q in zip(accepted, rounds_of) if q == p)}
+                for p in range(3)]
+
+    out = metrics.counters_tau_ratio(counters(head), counters(other), seed=0)
+    by_rounds = metrics.tau_intervals({"head": head, "other": other}, {"head": rounds_of, "other": rounds_of}, 3,
+                                      "head", seed=0)
+    assert out["ratio"] == round(metrics.tau(head) / metrics.tau(other), 4)
+    assert out["ratio_ci"] == by_rounds["other"]["head_ratio_ci"]
+    assert out["tau_ci"] == [by_rounds["head"]["tau_ci"], by_rounds["other"]["tau_ci"]]
+    with pytest.raises(ValueError, match="3 prompts against 2"):
+        metrics.counters_tau_ratio(counters(head), counters(other)[:2], seed=0)
+
+
 def test_copy_rounds_start_on_a_token_completing_a_3_gram_already_in_the_context():
     prompt = [5, 6, 7, 8]
     output = [5, 6, 7, 9, 6, 7, 9]

@@ -26,23 +26,42 @@ def tau_intervals(accepted: dict[str, list[int]], prompt_of_round: dict[str, lis
     """Bootstrap over prompts (the unit that varies between benchmarks): for each drafter, the `level`
     interval of its tau and, for the others, of the ratio tau(reference) / tau(drafter), each draw
     resampling the same prompts for every drafter (a paired comparison)."""
-    rng = np.random.default_rng(seed)
-    draws = rng.integers(0, prompts, size=(BOOTSTRAP_DRAWS, prompts))
-    taus = {}
-    for name in accepted:
-        tokens, rounds = _prompt_totals(accepted[name], prompt_of_round[name], prompts)
-        taus[name] = tokens[draws].sum(1) / np.maximum(rounds[draws].sum(1), 1)
-    tail = (1 - level) / 2 * 100
-
-    def interval(x: np.ndarray) -> list[float]:
-        return [round(float(v), 3) for v in np.percentile(x, [tail, 100 - tail])]
-
-    out = {name: {"tau_ci": interval(t)} for name, t in taus.items()}
+    draws = _draws(prompts, seed)
+    taus = {name: _drawn_taus(*_prompt_totals(accepted[name], prompt_of_round[name], prompts), draws)
+            for name in accepted}
+    out = {name: {"tau_ci": _interval(t, level)} for name, t in taus.items()}
     for name in accepted:
         if name != reference:
             ratio = np.divide(taus[reference], taus[name], out=np.zeros(BOOTSTRAP_DRAWS), where=taus[name] > 0)
-            out[name]["head_ratio_ci"] = interval(ratio)
+            out[name]["head_ratio_ci"] = _interval(ratio, level)
     return out
+
+
+def counters_tau_ratio(a: list[dict], b: list[dict], seed: int, level: float = 0.95) -> dict:
+    """tau(a) / tau(b) from two drafters' per-prompt engine counters (`drafts`, `accepted`) on the same prompts,
+    with its `level` interval by the paired bootstrap over prompts."""
+    if len(a) != len(b):
+        raise ValueError(f"paired counters: {len(a)} prompts against {len(b)}")
+    draws = _draws(len(a), seed)
+    taus = [_drawn_taus(np.array([c["drafts"] + c["accepted"] for c in side], dtype=np.float64),
+                        np.array([c["drafts"] for c in side], dtype=np.float64), draws) for side in (a, b)]
+    ratio = np.divide(taus[0], taus[1], out=np.zeros(BOOTSTRAP_DRAWS), where=taus[1] > 0)
+    totals = [(sum(c["drafts"] + c["accepted"] for c in side), sum(c["drafts"] for c in side)) for side in (a, b)]
+    point = (totals[0][0] / max(1, totals[0][1])) / (totals[1][0] / max(1, totals[1][1]))
+    return {"ratio": round(point, 4), "ratio_ci": _interval(ratio, level), "tau_ci": [_interval(t, level) for t in taus]}
+
+
+def _draws(prompts: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, prompts, size=(BOOTSTRAP_DRAWS, prompts))
+
+
+def _drawn_taus(tokens: np.ndarray, rounds: np.ndarray, draws: np.ndarray) -> np.ndarray:
+    return tokens[draws].sum(1) / np.maximum(rounds[draws].sum(1), 1)
+
+
+def _interval(x: np.ndarray, level: float) -> list[float]:
+    tail = (1 - level) / 2 * 100
+    return [round(float(v), 3) for v in np.percentile(x, [tail, 100 - tail])]
 
 
 def accept_per_depth(accepted: list[int], depth: int) -> list[float]:

@@ -98,6 +98,14 @@ def pack_plan(lengths: dict[int, int], batch_tokens: int, seed: int, epoch: int)
 PLANS = {"bucket": bucket_plan, "pack": pack_plan}
 
 
+def holdout_split(n: int, share: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train, held-out) sample ids of a store of `n` samples: a seeded `share` held out, none below 20 samples."""
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    n_hold = int(round(share * n)) if n >= 20 else 0
+    return sorted(order[n_hold:]), sorted(order[:n_hold])
+
+
 def collate(rows: list[list[dict[str, torch.Tensor]]], device, packed: bool) -> tuple[TTTBatch, dict]:
     """Rows of samples -> a right-padded TTTBatch and the teacher tensors (`last` or `topk_*`).
 

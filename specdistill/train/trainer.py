@@ -12,7 +12,6 @@ consumed to `train/samples-rank-R.json`.
 from __future__ import annotations
 
 import logging
-import random
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -39,7 +38,7 @@ from specdistill.target_runner import TargetRunner
 from specdistill.train.accelerator import all_ranks_true, make_accelerator
 from specdistill.train.checkpoint import CheckpointManager
 from specdistill.train.curves import plot_history
-from specdistill.train.data import PLANS, OnlineSource, StoreSource, collate
+from specdistill.train.data import PLANS, OnlineSource, StoreSource, collate, holdout_split
 from specdistill.train.loss import LOSSES
 from specdistill.train.schedule import warmup_cosine
 from specdistill.train.teacher import Teacher
@@ -121,7 +120,7 @@ class Trainer:
         self.served_vocab = self.served_vocabulary(vocab)
         self.teacher = Teacher(norm.to(self.device), self.target_lm_head.float().to(self.device),
                                self.head.d2t.to(self.device), self.head.t2d.to(self.device), cfg.train.vocab_chunk)
-        self.train_ids, self.holdout_ids = self.split(len(self.source.lengths))
+        self.train_ids, self.holdout_ids = holdout_split(len(self.source.lengths), cfg.train.holdout_share, cfg.seed)
         self.train_lengths = {i: self.source.lengths[i] for i in self.train_ids}
         if cfg.head.copy_init and self.resume_from is None:  # a resumed run loads its weights instead
             one_at_a_time = (s for i in self.train_ids[:COPY_INIT_SAMPLES] for s in self.source.samples([i]))
@@ -157,12 +156,6 @@ class Trainer:
         if size > limit:
             raise ConfigError(f"config field `train.served_vocab_size`: got {size}, the target has only {limit} tokens")
         return build_draft_vocab(vocab.counts_V, size)
-
-    def split(self, n: int) -> tuple[list[int], list[int]]:
-        order = list(range(n))
-        random.Random(self.cfg.seed).shuffle(order)
-        n_hold = int(round(self.cfg.train.holdout_share * n)) if n >= 20 else 0
-        return sorted(order[n_hold:]), sorted(order[:n_hold])
 
     def my_batches(self, epoch: int) -> list[list[list[int]]]:
         """This rank's share of the epoch's plan: every world-th batch, the same count on every rank."""
@@ -287,12 +280,14 @@ class Trainer:
         self.maybe_resume()
         wandb_run = start_wandb(cfg.wandb, cfg.name, recorded_config, self.layout.run_dir, self.rank)
         bar = tqdm(total=self.total_steps, initial=self.state.step, desc="train", disable=self.rank != 0)
-        t0, tokens = time.time(), 0
+        t0, tokens, step_s = time.time(), 0, 0.0
         while self.state.step < self.total_steps:
             mine = self.my_batches(self.state.epoch)
             while self.state.batch_in_epoch < len(mine) and self.state.step < self.total_steps:
                 rows = mine[self.state.batch_in_epoch]
+                started = time.perf_counter()
                 result = self.train_step(rows)
+                step_s += time.perf_counter() - started
                 self.state.batch_in_epoch += 1
                 self.state.micro += 1
                 self.consumed.append({"epoch": self.state.epoch, "ids": [i for row in rows for i in row]})
@@ -305,7 +300,8 @@ class Trainer:
                     continue
                 self.state.step += 1
                 self.state.bad_in_row = 0
-                metrics = self.metrics(result, tokens / max(1e-9, time.time() - t0))
+                metrics = self.metrics(result, tokens / max(1e-9, time.time() - t0)) | {"step_s": step_s}
+                step_s = 0.0
                 metrics.update(self.periodic_evaluations())
                 self.history.append(metrics)
                 bar.update(1)

@@ -1,0 +1,163 @@
+"""Our EAGLE-3 head against the one vLLM's `speculators` trainer (its own code and defaults) makes from the same
+run's data and features, at the same optimizer steps and tokens a step; vLLM serves both.
+
+    python benchmarks/anchor.py runs/<name> [--prompts 96] [--max-new-tokens 128] [--dtype bfloat16]
+
+1. The run's captured features in speculators' layout (`specdistill/anchor.py`): it trains on our training rows,
+   validates on our held-out rows and drafts our draft vocabulary.
+2. speculators' EAGLE-3 (muon, kl_div, 3 TTT steps, norm_before_fc and norm_output, packed rows: its defaults) for
+   as many optimizer steps as the run's head took, each a packed row of the run's mean tokens a step.
+3. Seconds per step at equal precision, float32 (a CPU turns speculators' autocast off): speculators' own step
+   timing over its whole run; ours over `--timing-steps` steps of the run's recipe in float32 (run `<name>-fp32`).
+4. vLLM serves the plain target, our head and theirs on `--prompts` frozen test-split prompts, a chain of `--k`,
+   one request at a time: tau with a paired 95% interval, acceptance per position, tokens/s.
+
+Writes <run>/anchor/anchor.json and prints ours against theirs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import statistics
+from pathlib import Path
+
+from specdistill.anchor import (
+    check_layer_ids,
+    speculators_arguments,
+    speculators_layer_ids,
+    step_seconds,
+    step_tokens,
+    train_speculators,
+    write_inputs,
+)
+from specdistill.capture.store import FeatureStore
+from specdistill.config import run_config_of
+from specdistill.data.vocab import DraftVocab
+from specdistill.engines import engine_python
+from specdistill.evaluate.bench import conversation_ids, load_prompts
+from specdistill.evaluate.counters import tau_of
+from specdistill.evaluate.engine import run_worker
+from specdistill.evaluate.metrics import counters_tau_ratio
+from specdistill.export import export_eagle3
+from specdistill.heads.checkpoint import load_head
+from specdistill.io import write_json
+from specdistill.layout import RunLayout
+from specdistill.pipeline import run_stages
+from specdistill.target import load_target, served_dir
+from specdistill.train.data import holdout_split
+
+
+def trained_budget(layout: RunLayout, store: FeatureStore) -> dict:
+    """The run's optimizer steps and the tokens its ranks trained on (`train/samples-rank-R.json`)."""
+    steps = json.loads((layout.train_dir / "history.json").read_text())[-1]["step"]
+    tokens = sum(store.lengths[i] for path in layout.train_dir.glob("samples-rank-*.json")
+                 for batch in json.loads(path.read_text())["micro_batches"] for i in batch["ids"])
+    return {"steps": steps, "tokens": tokens, "tokens_per_step": round(tokens / steps)}
+
+
+def our_fp32_steps(cfg, steps: int) -> dict:
+    """Seconds and tokens a step of our trainer on the run's data and recipe in float32, over `steps` steps (the
+    first, which warms up, left out)."""
+    timing = dataclasses.replace(cfg, name=f"{cfg.name}-fp32", stages=["train"], restart=True,
+                                 wandb=dataclasses.replace(cfg.wandb, mode="disabled"),
+                                 train=dataclasses.replace(cfg.train, max_steps=steps, mixed_precision="no",
+                                                           eval_every=0, ckpt_every=steps))
+    run_stages(timing)
+    layout = RunLayout.of(timing)
+    store = FeatureStore(layout.features_dir)
+    seconds = [h["step_s"] for h in json.loads((layout.train_dir / "history.json").read_text())][1:]
+    (consumed,) = [json.loads(p.read_text())["micro_batches"] for p in layout.train_dir.glob("samples-rank-*.json")]
+    tokens = [sum(store.lengths[i] for i in batch["ids"]) for batch in consumed][1:]
+    return per_step(seconds, tokens)
+
+
+def per_step(seconds: list[float], tokens: list[int]) -> dict:
+    return {"steps_timed": len(seconds), "s_per_step": round(statistics.fmean(seconds), 4),
+            "tokens_per_step": round(statistics.fmean(tokens)), "ms_per_1k_tokens": round(1e6 * sum(seconds) / sum(tokens), 2)}
+
+
+def served(result: dict, plain: dict) -> dict:
+    counters, new_tokens = result["counters"], sum(len(o) for o in result["outputs"])
+    return {"tau": round(tau_of(counters), 4), "drafts": counters["drafts"],
+            "acceptance_per_pos": [round(a / max(1, counters["drafts"]), 4) for a in counters["accepted_per_pos"]],
+            "tokens_per_s": round(new_tokens / result["wall_s"], 2),
+            "outputs_equal_plain": sum(a == b for a, b in zip(result["outputs"], plain["outputs"])),
+            "weight_warnings": result["weight_warnings"], "per_prompt": result["per_prompt"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run", type=Path, help="a run directory whose train stage finished")
+    parser.add_argument("--prompts", type=int, default=96, help="frozen test-split prompts served")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--k", type=int, default=3, help="the chain vLLM drafts")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="vLLM serves in it")
+    parser.add_argument("--timing-steps", type=int, default=20, help="steps of ours timed in float32")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+    cfg = run_config_of(args.run)
+    layout = RunLayout.of(cfg)
+    store, vocab = FeatureStore(layout.features_dir), DraftVocab.load(layout.vocab_file)
+    train_ids, holdout_ids = holdout_split(len(store), cfg.train.holdout_share, cfg.seed)
+    budget = trained_budget(layout, store)
+    target = load_target(cfg.target)
+    target_dir = served_dir(cfg.target)
+    inputs = layout.anchor_dir / "inputs"
+    written = write_inputs(store, train_ids, holdout_ids, vocab, inputs)
+    their_layer_ids = speculators_layer_ids(target.layer_ids)
+    check_layer_ids(target.model, inputs, their_layer_ids)
+    arguments = speculators_arguments(inputs, written, target_dir, layout.anchor_dir / "speculators", their_layer_ids,
+                                      budget["steps"], budget["tokens_per_step"])
+    theirs = train_speculators(arguments, layout.anchor_dir / "speculators")
+    timing = {"precision": "float32", "ours": our_fp32_steps(cfg, args.timing_steps),
+              "speculators": per_step(step_seconds(theirs["steps"])[1:], step_tokens(theirs["steps"])[1:])}
+    timing["s_per_step_ratio"] = round(timing["ours"]["s_per_step"] / timing["speculators"]["s_per_step"], 3)
+    timing["per_token_ratio"] = round(timing["ours"]["ms_per_1k_tokens"] / timing["speculators"]["ms_per_1k_tokens"], 3)
+
+    items, _ = load_prompts(cfg.eval.bench, args.prompts, 1, "test")
+    request = {"target": str(target_dir), "draft": None, "layout": None, "num_speculative_tokens": args.k,
+               "dtype": args.dtype, "enforce_eager": True, "max_model_len": target.config.max_position_embeddings,
+               "max_num_seqs": 1, "max_new_tokens": args.max_new_tokens,
+               "prompts": [conversation_ids(target.tokenizer, turns, []) for turns in items]}
+    python, work = engine_python("vllm", None, "benchmarks/anchor.py"), layout.anchor_dir / "engine"
+    ours_dir = export_eagle3(load_head(layout.trained_head_dir()), "speculators", layout.anchor_dir / "ours",
+                             args.dtype, str(target_dir), speculative_tokens=args.k)
+    plain = run_worker("vllm", python, request, work, "plain")
+    heads = {name: {"dir": str(d), **served(run_worker("vllm", python, {**request, "draft": str(d),
+                                                                         "layout": "speculators"}, work, name), plain)}
+             for name, d in (("ours", ours_dir), ("speculators", Path(theirs["checkpoint"])))}
+    comparison = counters_tau_ratio(heads["ours"]["per_prompt"], heads["speculators"]["per_prompt"], cfg.seed)
+    report = {"run": str(args.run), "speculators_arguments": arguments, "inputs": written, "ours_trained": budget,
+              "speculators_trained": {"steps": len(theirs["steps"]), "tokens": sum(step_tokens(theirs["steps"]))},
+              "timing": timing, "engine": {"version": plain["version"], "dtype": args.dtype, "k": args.k,
+                                          "split": "test", "prompts": len(items), "max_new_tokens": args.max_new_tokens,
+                                          "plain_tokens_per_s": round(sum(map(len, plain["outputs"])) / plain["wall_s"], 2)},
+              "heads": heads, "tau_ratio": comparison}
+    write_json(layout.anchor_dir / "anchor.json", report)
+    print_report(report, layout.anchor_dir / "anchor.json")
+
+
+def print_report(r: dict, path: Path) -> None:
+    e, ours, theirs, t = r["engine"], r["heads"]["ours"], r["heads"]["speculators"], r["timing"]
+    print(f"trained: ours {r['ours_trained']['steps']} steps, {r['ours_trained']['tokens']} tokens; speculators "
+          f"{r['speculators_trained']['steps']} steps, {r['speculators_trained']['tokens']} tokens")
+    print(f"vLLM {e['version']} tau ({e['dtype']}, chain of {e['k']}, {e['prompts']} test prompts x "
+          f"{e['max_new_tokens']} tokens): ours {ours['tau']:.3f} {r['tau_ratio']['tau_ci'][0]}, speculators "
+          f"{theirs['tau']:.3f} {r['tau_ratio']['tau_ci'][1]}; ours / speculators {r['tau_ratio']['ratio']:.3f}x "
+          f"{r['tau_ratio']['ratio_ci']}")
+    print(f"acceptance per position: ours {ours['acceptance_per_pos']}, speculators {theirs['acceptance_per_pos']}")
+    print(f"tokens/s: plain {e['plain_tokens_per_s']}, ours {ours['tokens_per_s']}, speculators "
+          f"{theirs['tokens_per_s']}; outputs equal plain: ours {ours['outputs_equal_plain']}/{e['prompts']}, "
+          f"speculators {theirs['outputs_equal_plain']}/{e['prompts']}")
+    print(f"seconds per step ({t['precision']}): ours {t['ours']['s_per_step']} ({t['ours']['tokens_per_step']} tokens), "
+          f"speculators {t['speculators']['s_per_step']} ({t['speculators']['tokens_per_step']} tokens); ours / "
+          f"speculators {t['s_per_step_ratio']}x a step, {t['per_token_ratio']}x a token")
+    print(f"written to {path}")
+
+
+if __name__ == "__main__":
+    main()
