@@ -50,28 +50,32 @@ from specdistill.target import load_target, served_dir
 from specdistill.train.data import holdout_split
 
 
-def trained_budget(layout: RunLayout, store: FeatureStore) -> dict:
-    """The run's optimizer steps and the tokens its ranks trained on (`train/samples-rank-R.json`)."""
+def tokens_by_step(layout: RunLayout, store: FeatureStore, grad_accum: int) -> list[int]:
+    """The tokens each optimizer step of a run trained on, its ranks together (`train/samples-rank-R.json` holds
+    each rank's micro-batches, `grad_accum` of them to a step)."""
+    per_rank = [[sum(store.lengths[i] for i in batch["ids"]) for batch in json.loads(path.read_text())["micro_batches"]]
+                for path in layout.train_dir.glob("samples-rank-*.json")]
+    return [sum(sum(rank[s : s + grad_accum]) for rank in per_rank) for s in range(0, len(per_rank[0]), grad_accum)]
+
+
+def trained_budget(cfg, layout: RunLayout, store: FeatureStore) -> dict:
+    """The run's optimizer steps and the tokens its ranks trained on."""
     steps = json.loads((layout.train_dir / "history.json").read_text())[-1]["step"]
-    tokens = sum(store.lengths[i] for path in layout.train_dir.glob("samples-rank-*.json")
-                 for batch in json.loads(path.read_text())["micro_batches"] for i in batch["ids"])
+    tokens = sum(tokens_by_step(layout, store, cfg.train.grad_accum))
     return {"steps": steps, "tokens": tokens, "tokens_per_step": round(tokens / steps)}
 
 
-def our_fp32_steps(cfg, steps: int) -> dict:
-    """Seconds and tokens a step of our trainer on the run's data and recipe in float32, over `steps` steps (the
-    first, which warms up, left out)."""
+def our_fp32_steps(cfg, store: FeatureStore, steps: int) -> dict:
+    """Seconds and tokens a step of our trainer on the run's data (`store`) and recipe in float32, over `steps`
+    steps (the first, which warms up, left out)."""
     timing = dataclasses.replace(cfg, name=f"{cfg.name}-fp32", stages=["train"], restart=True,
                                  wandb=dataclasses.replace(cfg.wandb, mode="disabled"),
                                  train=dataclasses.replace(cfg.train, max_steps=steps, mixed_precision="no",
                                                            eval_every=0, ckpt_every=steps))
     run_stages(timing)
     layout = RunLayout.of(timing)
-    store = FeatureStore(layout.features_dir)
-    seconds = [h["step_s"] for h in json.loads((layout.train_dir / "history.json").read_text())][1:]
-    (consumed,) = [json.loads(p.read_text())["micro_batches"] for p in layout.train_dir.glob("samples-rank-*.json")]
-    tokens = [sum(store.lengths[i] for i in batch["ids"]) for batch in consumed][1:]
-    return per_step(seconds, tokens)
+    seconds = [h["step_s"] for h in json.loads((layout.train_dir / "history.json").read_text())]
+    return per_step(seconds[1:], tokens_by_step(layout, store, cfg.train.grad_accum)[1:])
 
 
 def per_step(seconds: list[float], tokens: list[int]) -> dict:
@@ -103,7 +107,7 @@ def main() -> None:
     layout = RunLayout.of(cfg)
     store, vocab = FeatureStore(layout.features_dir), DraftVocab.load(layout.vocab_file)
     train_ids, holdout_ids = holdout_split(len(store), cfg.train.holdout_share, cfg.seed)
-    budget = trained_budget(layout, store)
+    budget = trained_budget(cfg, layout, store)
     target = load_target(cfg.target)
     target_dir = served_dir(cfg.target)
     inputs = layout.anchor_dir / "inputs"
@@ -113,7 +117,7 @@ def main() -> None:
     arguments = speculators_arguments(inputs, written, target_dir, layout.anchor_dir / "speculators", their_layer_ids,
                                       budget["steps"], budget["tokens_per_step"])
     theirs = train_speculators(arguments, layout.anchor_dir / "speculators")
-    timing = {"precision": "float32", "ours": our_fp32_steps(cfg, args.timing_steps),
+    timing = {"precision": "float32", "ours": our_fp32_steps(cfg, store, args.timing_steps),
               "speculators": per_step(step_seconds(theirs["steps"])[1:], step_tokens(theirs["steps"])[1:])}
     timing["s_per_step_ratio"] = round(timing["ours"]["s_per_step"] / timing["speculators"]["s_per_step"], 3)
     timing["per_token_ratio"] = round(timing["ours"]["ms_per_1k_tokens"] / timing["speculators"]["ms_per_1k_tokens"], 3)

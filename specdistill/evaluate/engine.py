@@ -253,10 +253,12 @@ def engine_evaluation(ec: EngineConfig, ev: EvalConfig, target: Target, head, ex
         log.info("%s: the %s export %s drafting %d tokens", ec.name, layout, directory, k)
         try:
             served = run_worker(ec.name, python, {**request, "draft": str(directory), "layout": layout}, work, name)
-            if ec.dtype != "float32" and (key := json.dumps(served["outputs"])) not in replays:
-                replays[key] = replayed_counters(target, head, prompts, served["outputs"], k, ev.max_new_tokens)
-            entry = compare(ours, served, plain, our_outputs, ec.dtype, explain_prompt, epsilon,
-                            replays.get(json.dumps(served["outputs"])))
+            replayed = None
+            if ec.dtype != "float32":
+                if (key := json.dumps(served["outputs"])) not in replays:
+                    replays[key] = replayed_counters(target, head, prompts, served["outputs"], k, ev.max_new_tokens)
+                replayed = replays[key]
+            entry = compare(ours, served, plain, our_outputs, ec.dtype, explain_prompt, epsilon, replayed)
         except EngineError as err:  # the other layouts still run; the failure is the finding
             entry = {"failed": True, "finding": f"{ec.name} failed serving this export: {root_cause(str(err))}"}
         report["layouts"][name] = {"layout": layout, "dir": str(directory), **entry}
