@@ -38,8 +38,8 @@ from specdistill.config import run_config_of
 from specdistill.data.vocab import DraftVocab
 from specdistill.engines import engine_python
 from specdistill.evaluate.bench import conversation_ids, load_prompts
-from specdistill.evaluate.counters import tau_of
-from specdistill.evaluate.engine import run_worker
+from specdistill.evaluate.counters import served_summary
+from specdistill.evaluate.engine import run_worker, serve_request
 from specdistill.evaluate.metrics import counters_tau_ratio
 from specdistill.export import export_eagle3
 from specdistill.heads.checkpoint import load_head
@@ -83,15 +83,6 @@ def per_step(seconds: list[float], tokens: list[int]) -> dict:
             "tokens_per_step": round(statistics.fmean(tokens)), "ms_per_1k_tokens": round(1e6 * sum(seconds) / sum(tokens), 2)}
 
 
-def served(result: dict, plain: dict) -> dict:
-    counters, new_tokens = result["counters"], sum(len(o) for o in result["outputs"])
-    return {"tau": round(tau_of(counters), 4), "drafts": counters["drafts"],
-            "acceptance_per_pos": [round(a / max(1, counters["drafts"]), 4) for a in counters["accepted_per_pos"]],
-            "tokens_per_s": round(new_tokens / result["wall_s"], 2),
-            "outputs_equal_plain": sum(a == b for a, b in zip(result["outputs"], plain["outputs"])),
-            "weight_warnings": result["weight_warnings"], "per_prompt": result["per_prompt"]}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", type=Path, help="a run directory whose train stage finished")
@@ -123,15 +114,13 @@ def main() -> None:
     timing["per_token_ratio"] = round(timing["ours"]["ms_per_1k_tokens"] / timing["speculators"]["ms_per_1k_tokens"], 3)
 
     items, _ = load_prompts(cfg.eval.bench, args.prompts, 1, "test")
-    request = {"target": str(target_dir), "draft": None, "layout": None, "num_speculative_tokens": args.k,
-               "dtype": args.dtype, "enforce_eager": True, "max_model_len": target.config.max_position_embeddings,
-               "max_num_seqs": 1, "max_new_tokens": args.max_new_tokens,
-               "prompts": [conversation_ids(target.tokenizer, turns, []) for turns in items]}
+    request = serve_request(target, target_dir, [conversation_ids(target.tokenizer, turns, []) for turns in items],
+                            args.k, args.dtype, args.max_new_tokens)
     python, work = engine_python("vllm", None, "benchmarks/anchor.py"), layout.anchor_dir / "engine"
     ours_dir = export_eagle3(load_head(layout.trained_head_dir()), "speculators", layout.anchor_dir / "ours",
                              args.dtype, str(target_dir), speculative_tokens=args.k)
     plain = run_worker("vllm", python, request, work, "plain")
-    heads = {name: {"dir": str(d), **served(run_worker("vllm", python, {**request, "draft": str(d),
+    heads = {name: {"dir": str(d), **served_summary(run_worker("vllm", python, {**request, "draft": str(d),
                                                                          "layout": "speculators"}, work, name), plain)}
              for name, d in (("ours", ours_dir), ("speculators", Path(theirs["checkpoint"])))}
     comparison = counters_tau_ratio(heads["ours"]["per_prompt"], heads["speculators"]["per_prompt"], cfg.seed)

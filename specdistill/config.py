@@ -176,6 +176,11 @@ class HeadConfig:
                                    "to overfit")
     fc_norm: bool = setting(False, "EAGLE-3: Eagle 3.1's own RMSNorm on each captured layer before `fc`, so layers of "
                             "unlike scales weigh alike (docs/engines.md: which engines serve it)")
+    parallel_drafting: bool = setting(False, "EAGLE-3: P-EAGLE, one forward drafts every depth: depths past the first "
+                                      "read a mask token and the learned `mask_hidden` (conf/head/peagle.yaml)")
+    mask_token_id: int | None = setting(None, "P-EAGLE: the mask slots' token; null: the tokenizer's mask token, else its "
+                                        "first unused embedding row, else pad, else eos (as speculators picks it)",
+                                        ge=0)
     mtp_num_modules: int = setting(1, "MTP: 1 = one module applied recursively, k = k separate modules")
 
 
@@ -360,6 +365,8 @@ def _check_head(cfg: RunConfig) -> None:
     head = cfg.head
     check(not head.copy_init or head.kind == "eagle3", "head.copy_init", "applies to EAGLE-3 heads only")
     check(not head.fc_norm or head.kind == "eagle3", "head.fc_norm", "applies to EAGLE-3 heads only")
+    check(not head.parallel_drafting or head.kind == "eagle3", "head.parallel_drafting", "applies to EAGLE-3 heads only")
+    check(head.mask_token_id is None or head.parallel_drafting, "head.mask_token_id", "needs head.parallel_drafting=true")
     check(not head.copy_slow_pairs_only or head.copy_init, "head.copy_slow_pairs_only", "needs head.copy_init=true")
     check(not head.freeze_lm_head or head.init_lm_head_from_target, "head.freeze_lm_head",
           "needs head.init_lm_head_from_target=true (a frozen lm_head must start as the target's)")

@@ -62,6 +62,7 @@ def test_schema_defaults_are_the_embedded_default():
      ("data.documents.parts=[1,0]", "data.documents.parts"),
      ("data.documents.parts=[]", "data.documents.parts"),
      ("head=mtp head.copy_init=true", "head.copy_init"), ("head=mtp head.fc_norm=true", "head.fc_norm"),
+     ("head=mtp head.parallel_drafting=true", "head.parallel_drafting"), ("head.mask_token_id=5", "head.mask_token_id"),
      ("head.copy_init=false head.copy_slow_pairs_only=true", "head.copy_slow_pairs_only"),
      ("data.synth.back_translations=9 data.synth.back_translation_source=Nope", "data.synth.back_translation_source"),
      ("data.synth.back_translations=9 data.synth.back_translation_prompt=German", "data.synth.back_translation_prompt"),

@@ -245,6 +245,8 @@ def faulty(export: Path, out: Path, fault: str) -> Path:
             i + 1 for i in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
     elif fault == "norm_flag_flipped":
         config["norm_before_residual"] = not config["norm_before_residual"]
+    elif fault == "mask_token_wrong":  # a P-EAGLE export whose mask slots read another token than it was trained on
+        config["mask_token_id"] = (config["mask_token_id"] + 1) % config["vocab_size"]
     elif fault == "fc_norm_dropped":  # an Eagle 3.1 export without its norms' weights: vLLM keeps them at ones
         tensors = load_file(str(out / common.WEIGHTS_FILE))
         save_file({k: v for k, v in tensors.items() if not k.startswith("fc_norm.")}, str(out / common.WEIGHTS_FILE),
@@ -357,6 +359,48 @@ def test_an_eagle31_export_without_its_norms_weights_makes_vllm_disagree(eagle31
             norm.weight.fill_(1.0)
     _, _, rounds = our_chain(target, at_ones, ev, k)
     assert [{key: p[key] for key in COUNTED} for p in m["per_prompt"]] == [chain_counters(r, k) for r in rounds]
+
+
+@pytest.fixture(scope="module")
+def peagle_served(embedded_run, tmp_path_factory):
+    """A P-EAGLE head (`head=peagle`) trained as the embedded run's head was, on its stored features, exported in
+    float32 in both layouts vLLM serves it from, and served beside our chain with a copy of the vllm export whose
+    mask token is another one (the plain engine run reused from the embedded run): the report."""
+    run_dir, _ = embedded_run
+    root = run_dir.parent
+    overrides = ["+exp=engine_check", "head=peagle", f"run_root={root}", "name=peagle", "stages=[prepare,capture,train]",
+                 f"data.path={root / 'prompts.jsonl'}", f"eval.bench={root / 'prompts.jsonl'}"]
+    proc = subprocess.run([sys.executable, "train.py", *overrides], cwd=ROOT, capture_output=True, text=True,
+                          timeout=3000, env=ENV)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    log = proc.stdout + proc.stderr
+    assert "prepare: reusing" in log and "capture: reusing" in log  # the embedded run's data and features
+    target_cfg = TargetConfig()
+    out = reusing_engine_runs(run_dir, tmp_path_factory.mktemp("peagle") / "check")
+    head = load_head(trained_head_dir(root / "peagle" / "ckpt"))
+    exports = {fmt: export_eagle3(head, fmt, out / "exports" / fmt, "float32", str(served_dir(target_cfg)))
+               for fmt in ("vllm", "speculators")}
+    exports["mask_token_wrong"] = faulty(exports["vllm"], out / "exports" / "mask_token_wrong", "mask_token_wrong")
+    return engine_evaluation(EngineConfig(name="vllm"), served_as_in(run_dir, limit=4, max_new_tokens=48),
+                             load_target(target_cfg), head, exports, served_dir(target_cfg), out)
+
+
+@pytest.mark.slow
+def test_vllm_serves_a_peagle_head_exactly_as_our_chain_counts(peagle_served):
+    ours, n = peagle_served["ours"], peagle_served["num_prompts"]
+    # the parallel depths draft tokens the target keeps: a wrong mask token could change their counts
+    assert ours["accepted_per_pos"][1] > 0 and ours["accepted_per_pos"][2] > 0, ours
+    for layout in ("vllm", "speculators"):
+        m = peagle_served["layouts"][layout]
+        assert m["weight_warnings"] == [] and m["outputs_equal_plain"] == n, layout
+        assert m["counters_equal_ours"] and m["prompts_equal_ours"] == n and m["finding"] is None, (layout, m["finding"])
+
+
+@pytest.mark.slow
+def test_a_peagle_export_with_another_mask_token_makes_vllm_disagree(peagle_served):
+    m = peagle_served["layouts"]["mask_token_wrong"]
+    assert not m["counters_equal_ours"] and "differ from ours in float32" in m["finding"], m["finding"]
+    assert m["outputs_equal_plain"] == peagle_served["num_prompts"]  # still lossless: only the drafts changed
 
 
 def served_as_in(run_dir: Path, **settings) -> EvalConfig:

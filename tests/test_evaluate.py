@@ -176,6 +176,19 @@ def test_advice_weighs_every_top_k_the_evaluation_measured():
     assert max(r["topk"] for r in narrow["per_batch"]) <= 8
 
 
+def test_a_peagle_head_is_advised_vllm_chains_drafted_in_one_forward():
+    table = [[min(0.3 + 0.03 * w, 0.9) for w in range(1, 17)]] * 4
+    target, head = llama8b_like()
+    evaluated = [{"drafter": "head tree", "depth": 4, "topk": 1, "num_draft_tokens": 4, "tau": 2.0}]
+    parallel = advise(table, target, head, AdviceConfig(), "eagle3", {"vllm": "v"}, evaluated, parallel=True)
+    serial = advise(table, target, head, AdviceConfig(), "eagle3", {"sglang": "s", "vllm": "v"}, evaluated)
+    for row, chain in zip(parallel["per_batch"], serial["per_batch"]):
+        assert row["topk"] == 1 and row["sglang"] == "(SGLang serves no P-EAGLE head)"
+        assert row["vllm_expected_speedup"] >= chain["vllm_expected_speedup"]  # one forward drafts every depth
+        assert '"parallel_drafting": true' in row["vllm"] or row["vllm_expected_speedup"] <= 1
+        assert "parallel_drafting" not in chain["vllm"]
+
+
 @pytest.fixture(scope="module")
 def smoke_head(tmp_path_factory):
     target = load_target(TargetConfig(name="random"))

@@ -17,7 +17,7 @@ from transformers import LlamaConfig
 
 from specdistill.config import RunConfig
 from specdistill.evaluate.advice import advised_chain
-from specdistill.export import EAGLE3_LAYOUTS, common, export_eagle3, run
+from specdistill.export import EAGLE3_LAYOUTS, PARALLEL_LAYOUTS, common, export_eagle3, fitting_formats, run
 from specdistill.export.reader import read_head
 from specdistill.heads.checkpoint import save_head
 from specdistill.heads.eagle3 import Eagle3Config, Eagle3Head
@@ -32,12 +32,13 @@ BLOCK = ["input_layernorm.weight", "hidden_norm.weight", "post_attention_layerno
          "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"]
 
 
-def make_head(aux=(1, 3, 4), rope=None, seed=0, fc_norm=False) -> Eagle3Head:
+def make_head(aux=(1, 3, 4), rope=None, seed=0, fc_norm=False, mask_token_id=None) -> Eagle3Head:
     torch.manual_seed(seed)
     arch = HeadArch(hidden_size=H, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                     rope_parameters=rope or {"rope_type": "default", "rope_theta": 100000.0})
     head = Eagle3Head(Eagle3Config(arch=arch, vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB, target_hidden_size=H,
-                                   aux_layer_ids=list(aux), target_num_layers=8, fc_norm=fc_norm))
+                                   aux_layer_ids=list(aux), target_num_layers=8, fc_norm=fc_norm,
+                                   parallel_drafting=mask_token_id is not None, mask_token_id=mask_token_id))
     with torch.no_grad():
         for p in head.parameters():
             p.copy_(torch.randn_like(p) * 0.2 + (1.0 if p.ndim == 1 else 0.0))
@@ -193,6 +194,56 @@ def test_an_eagle31_head_carries_its_norms_and_flag_in_every_layout(eagle31_head
     # top level in each: vLLM and TensorRT-LLM read it off the config, SGLang too, vLLM's speculators conversion
     # (`update_eagle3`) copies it across
     assert cfg["fc_norm"] is True and cfg.get("norm_before_fc", False) is False
+
+
+MASK_TOKEN = 7
+
+
+@pytest.fixture(scope="module")
+def peagle_head() -> Eagle3Head:
+    return make_head(mask_token_id=MASK_TOKEN)
+
+
+def mask_step_logits(head: Eagle3Head) -> torch.Tensor:
+    """Logits of mask slots after real ones: what a P-EAGLE head's parallel depths compute."""
+    g = torch.Generator().manual_seed(2)
+    aux, ids = torch.randn(1, 4, 3 * H, generator=g), torch.randint(0, VOCAB, (1, 4), generator=g)
+    attn = head.attention()
+
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, attn.expand_kv(k), attn.expand_kv(v), is_causal=True)
+
+    with torch.no_grad():
+        tokens, hidden = head.step_input(ids, head.initial_hidden(aux), depth=1)
+        return head.logits(head.step(tokens, hidden, torch.arange(4)[None], attend))
+
+
+@pytest.mark.parametrize("fmt", PARALLEL_LAYOUTS)
+def test_a_peagle_head_carries_mask_hidden_and_mask_token_where_vllm_reads_them(peagle_head, fmt, tmp_path):
+    tensors, cfg = exported(export_eagle3(peagle_head, fmt, tmp_path / fmt, dtype="float32", target=VERIFIER))
+    assert set(tensors) == EXPECTED_KEYS[fmt] | {"mask_hidden"}
+    # vLLM's buffer is [1, 3H] and takes `.view(1, -1)` of what it loads; speculators' parameter is [1, 1, 3H]
+    assert tensors["mask_hidden"].shape == ((1, 3 * H) if fmt == "vllm" else (1, 1, 3 * H))
+    assert torch.equal(tensors["mask_hidden"].reshape(1, -1), peagle_head.mask_hidden)
+    assert cfg["mask_token_id"] == MASK_TOKEN  # read by vLLM's proposer (HF layout) and `update_peagle` (speculators)
+    if fmt == "speculators":
+        assert cfg["speculators_model_type"] == "peagle" and cfg["speculators_config"]["algorithm"] == "peagle"
+    else:
+        assert cfg["parallel_drafting"] is True  # for our reader and worker; vLLM takes it from the serve call
+    back = read_head(tmp_path / fmt)
+    assert back.config == peagle_head.config
+    assert torch.equal(mask_step_logits(back), mask_step_logits(peagle_head))
+    assert not torch.equal(mask_step_logits(back), mask_step_logits(make_head(mask_token_id=MASK_TOKEN + 1)))
+
+
+def test_a_peagle_head_is_refused_where_no_engine_defines_its_layout(peagle_head, tmp_path):
+    assert fitting_formats(peagle_head) == PARALLEL_LAYOUTS and fitting_formats(make_head()) == ["sglang", "vllm"]
+    for fmt in ("sglang", "trtllm"):
+        with pytest.raises(common.ExportError, match="does not fit a P-EAGLE head"):
+            export_eagle3(peagle_head, fmt, tmp_path / fmt, target=VERIFIER)
+        assert not (tmp_path / fmt).exists()
+    with pytest.raises(common.ExportError, match="without `fc_norm`"):  # vLLM's `update_peagle` would drop the norms
+        export_eagle3(make_head(fc_norm=True, mask_token_id=MASK_TOKEN), "speculators", tmp_path / "s", target=VERIFIER)
 
 
 # --- round trip -----------------------------------------------------------------------------------

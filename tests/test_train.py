@@ -173,6 +173,24 @@ def test_a_frozen_lm_head_stays_the_targets_rows_while_the_rest_trains(prepared,
         compose_cfg(run_dir, "head.freeze_lm_head=true", "head.init_lm_head_from_target=false")
 
 
+def test_a_peagle_head_trains_its_mask_hidden_and_keeps_its_mask_token(prepared, tmp_path):
+    run_dir = run_dir_from(prepared, tmp_path, "peagle")
+    cfg = compose_cfg(run_dir, "train.max_steps=3", "head=peagle")
+    target = load_target(cfg.target)
+    trainer = Trainer(cfg, RunLayout.of(cfg), target)
+    head = trainer.head
+    # the random target's tokenizer has no mask token and fewer tokens than embedding rows: the first unused row
+    assert head.config.parallel_drafting and head.config.mask_token_id == len(target.tokenizer) < target.vocab_size
+    before = head.mask_hidden.detach().clone()
+    assert trainer.fit(redacted(cfg))["steps"] == 3
+    assert not torch.equal(head.mask_hidden, before)
+    saved = load_head(run_dir / "ckpt" / "final")
+    assert saved.config.parallel_drafting and saved.config.mask_token_id == head.config.mask_token_id
+    assert torch.equal(saved.mask_hidden, head.mask_hidden)  # (the saved head is widened: its vocabulary differs)
+    chosen = compose_cfg(run_dir_from(prepared, tmp_path, "peagle5"), "head=peagle", "head.mask_token_id=5")
+    assert Trainer(chosen, RunLayout.of(chosen), target).head.config.mask_token_id == 5
+
+
 def test_in_loop_tau_keeps_the_best_head_and_packing_trains(prepared, tmp_path):
     run_dir = run_dir_from(prepared, tmp_path, "best")
     cfg = compose_cfg(run_dir, "train.batching=pack", "train.eval_every=2", "train.max_steps=6",

@@ -13,7 +13,7 @@ from specdistill.train.loss import LOSSES
 from specdistill.train.teacher import Teacher, TeacherTargets
 from specdistill.train.ttt import TTTBatch, causal_mask, teacher_rows, trained_window, unroll_ttt
 
-HEAD_KINDS = ["eagle3", "mtp", "mtp3"]
+HEAD_KINDS = ["eagle3", "peagle", "mtp", "mtp3"]
 
 
 def tiny_head(kind="eagle3", vocab=96, draft=48, hidden=32, seed=0):
@@ -22,8 +22,9 @@ def tiny_head(kind="eagle3", vocab=96, draft=48, hidden=32, seed=0):
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     common = dict(arch=arch, vocab_size=vocab, draft_vocab_size=draft, target_hidden_size=hidden,
                   aux_layer_ids=[1, 2, 3], target_num_layers=6)
-    if kind == "eagle3":
-        head = Eagle3Head(Eagle3Config(**common))
+    if kind in ("eagle3", "peagle"):
+        parallel = {"parallel_drafting": True, "mask_token_id": vocab - 1} if kind == "peagle" else {}
+        head = Eagle3Head(Eagle3Config(**common, **parallel))
     else:
         head = MTPHead(MTPConfig(**common, num_modules=3 if kind == "mtp3" else 1))
     for p in head.parameters():
@@ -114,6 +115,8 @@ def naive_unroll(head, batch, teacher, steps, step_weight, loss_fn):
     hidden, total = head.initial_hidden(batch.aux_BTA, batch.last_BTH), 0.0
     for j in range(steps):
         tokens = torch.cat([ids[:, 1 + j:], torch.zeros(B, 1 + j, dtype=ids.dtype)], 1)
+        if j:
+            tokens, hidden = head.step_input(tokens, hidden, j)
         hidden = head.step(tokens, hidden, torch.arange(T).expand(B, T) + j, attend, depth=j)
         logits = head.logits(hidden, depth=j)[:, : T - 2 - j]
         counted = (batch.loss_mask_BT[:, 2 + j:] > 0) & valid[:, : T - 2 - j] & valid[:, 2 + j:]
@@ -170,6 +173,44 @@ def test_drafting_reproduces_the_training_unroll(kind):
         expected = torch.log_softmax(logits_per_step[j][:, t], -1)
         torch.testing.assert_close(logp[..., head.draft_to_target(torch.arange(48))][:, 0], expected, atol=1e-5, rtol=1e-5)
         parent = torch.zeros(1, 1, dtype=torch.long)
+
+
+def unrolled_logits(head, batch, steps):
+    """The logits `unroll_ttt` computes at each step (one [B, M, V] per step)."""
+    per_step = []
+
+    def record(logits, target):
+        per_step.append(logits.detach())
+        return LOSSES["forward_kl"](logits, target)
+
+    with torch.no_grad():
+        unroll_ttt(head, batch, random_teacher(*batch.input_ids_BT.shape, head), steps, 0.8, record)
+    return per_step
+
+
+def test_peagle_steps_are_vllms_one_causal_forward_over_mask_slots():
+    """P-EAGLE's step j at position t is what vLLM computes in one forward: slots 0..t read (x[s+1], fc(aux[s])),
+    then j mask slots read (mask token, fc(mask_hidden)) at positions t+1..t+j, all under one causal mask. The
+    same weights unrolled as EAGLE-3 (each step reading the previous draft) do not give it."""
+    head = tiny_head("peagle").eval()
+    T, steps, t = 10, 3, 5
+    batch = random_batch(1, T, head)
+    ids, mask_id = batch.input_ids_BT, head.config.mask_token_id
+    with torch.no_grad():
+        tokens = torch.cat([ids[:, 1 : t + 2], torch.full((1, steps - 1), mask_id)], 1)
+        hidden = torch.cat([head.fc(batch.aux_BTA[:, : t + 1]), head.fc(head.mask_hidden)[None].expand(1, steps - 1, -1)], 1)
+        attn = head.attention()
+        causal = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+            q, attn.expand_kv(k), attn.expand_kv(v), is_causal=True)
+        out = head.step(tokens, hidden, torch.arange(t + steps)[None], causal)
+        served = [head.logits(out[:, t + j]) for j in range(steps)]
+    unrolled = unrolled_logits(head, batch, steps)
+    for j in range(steps):
+        torch.testing.assert_close(unrolled[j][:, t], served[j], atol=1e-5, rtol=1e-5)
+    head.config.parallel_drafting = False  # the same weights as EAGLE-3: later steps read the drafts instead
+    as_eagle3 = unrolled_logits(head, batch, steps)
+    torch.testing.assert_close(as_eagle3[0][:, t], served[0], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(as_eagle3[1][:, t], served[1], atol=1e-3)
 
 
 def test_mtp_modules_shapes_and_separate_weights_per_step():

@@ -105,7 +105,7 @@ class Drafter:
             self.tree_v.append(v)
             return cached_attention(q, self.attn.expand_kv(keys), self.attn.expand_kv(values), mask)
 
-        hidden = self.head.step(tokens_BK, hidden_in, positions, attend, depth=depth)
+        hidden = self.head.step(*self.head.step_input(tokens_BK, hidden_in, depth), positions, attend, depth=depth)
         self.tree_hidden = hidden
         grown = torch.zeros(B, F + K, F + K, dtype=torch.bool, device=dev)
         if F:

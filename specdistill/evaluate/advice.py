@@ -113,11 +113,13 @@ def candidates(measured_width: int) -> list[tuple[int, int, int]]:
 
 
 def expected_speedup(tau_value: float, steps: int, topk: int, draft_tokens: int, batch: int,
-                     target: ModelCost, head: ModelCost, cfg: AdviceConfig) -> float:
+                     target: ModelCost, head: ModelCost, cfg: AdviceConfig, parallel: bool = False) -> float:
+    """`parallel`: a P-EAGLE head drafts its whole chain in one forward of `steps` slots."""
     ctx = cfg.context_len
     plain = target.forward_s(batch, 1, ctx, cfg)
     verify = target.forward_s(batch, draft_tokens + 1, ctx, cfg)
-    draft = head.forward_s(batch, 1, ctx, cfg) + (steps - 1) * head.forward_s(batch, topk, ctx, cfg)
+    draft = (head.forward_s(batch, steps, ctx, cfg) if parallel else
+             head.forward_s(batch, 1, ctx, cfg) + (steps - 1) * head.forward_s(batch, topk, ctx, cfg))
     return tau_value * plain / (verify + draft)
 
 
@@ -129,33 +131,39 @@ def sglang_flags(kind: str, head_path: str, steps: int, topk: int, draft_tokens:
             f"--speculative-num-draft-tokens {draft_tokens + 1}")
 
 
-def vllm_flags(kind: str, head_path: str, steps: int) -> str:
-    """vLLM drafts chains: num_speculative_tokens = steps."""
+def vllm_flags(kind: str, head_path: str, steps: int, parallel: bool = False) -> str:
+    """vLLM drafts chains: num_speculative_tokens = steps (a P-EAGLE head's in one forward: `parallel_drafting`)."""
     method = "eagle3" if kind == "eagle3" else "mtp"
     config = {"method": method, "model": head_path, "num_speculative_tokens": steps}
+    if parallel:
+        config["parallel_drafting"] = True
     return f"--speculative-config '{json.dumps(config)}'"
 
 
 def advise(table: list[list[float]], target: ModelCost, head: ModelCost, cfg: AdviceConfig, kind: str,
-           serve_dirs: dict[str, str], evaluated: list[dict]) -> dict:
+           serve_dirs: dict[str, str], evaluated: list[dict], parallel: bool = False) -> dict:
     """The best tree (SGLang) and the best chain (vLLM) per batch size, with expected tau and speedup, as
     flags naming the head directory each engine loads (`serve_dirs["sglang"]`, `serve_dirs["vllm"]`).
     Where nothing beats plain decoding the advice is to serve without speculation. `evaluated` (each
     evaluated head shape: drafter, depth, topk, num_draft_tokens and measured tau) checks the model
-    against the measurements it came from: `model_check`."""
-    grid = [(c, expected_tau(table, *c)) for c in candidates(max((len(row) for row in table), default=1))]
+    against the measurements it came from: `model_check`. A P-EAGLE head (`parallel`) is advised chains only, each
+    drafted in one forward, and for vLLM only (SGLang defines no layout for it)."""
+    shapes = [c for c in candidates(max((len(row) for row in table), default=1)) if not parallel or c[1] == 1]
+    grid = [(c, expected_tau(table, *c)) for c in shapes]
     per_batch = []
     for batch in cfg.batch_sizes:
-        scored = [(expected_speedup(t, *c, batch, target, head, cfg), c, t) for c, t in grid]
+        scored = [(expected_speedup(t, *c, batch, target, head, cfg, parallel), c, t) for c, t in grid]
         speedup, (s, k, n), tau_value = max(scored)
         chain_speedup, (cs, _, _), chain_tau = max(x for x in scored if x[1][1] == 1)
         per_batch.append({
             "batch_size": batch, "steps": s, "topk": k, "num_draft_tokens": n,
             "expected_tau": round(tau_value, 3), "expected_speedup": round(speedup, 3),
             "speculate": speedup > 1.0,
-            "sglang": sglang_flags(kind, serve_dirs["sglang"], s, k, n) if speedup > 1.0 else "(no speculative flags)",
+            "sglang": ("(SGLang serves no P-EAGLE head)" if parallel else
+                       sglang_flags(kind, serve_dirs["sglang"], s, k, n) if speedup > 1.0 else "(no speculative flags)"),
             "vllm_steps": cs, "vllm_expected_speedup": round(chain_speedup, 3),
-            "vllm": vllm_flags(kind, serve_dirs["vllm"], cs) if chain_speedup > 1.0 else "(no --speculative-config)",
+            "vllm": (vllm_flags(kind, serve_dirs["vllm"], cs, parallel) if chain_speedup > 1.0
+                     else "(no --speculative-config)"),
         })
     return {"hardware": {"gpu": cfg.gpu, "peak_tflops": cfg.peak_tflops, "memory_tbps": cfg.memory_tbps,
                          "launch_us": cfg.launch_us, "bytes_per_param": cfg.bytes_per_param},

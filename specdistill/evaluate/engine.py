@@ -213,6 +213,15 @@ def finding_of(entry: dict, ours: dict, num_prompts: int, dtype: str) -> str | N
     return "; ".join(findings) or None
 
 
+def serve_request(target: Target, target_dir: Path, prompts: list[list[int]], k: int, dtype: str,
+                  max_new_tokens: int, max_num_seqs: int = 1) -> dict:
+    """A worker request serving the plain target in `target_dir` on `prompts` (token ids); a head is served by adding
+    its `draft` directory and `layout`."""
+    return {"target": str(target_dir), "draft": None, "layout": None, "num_speculative_tokens": k, "dtype": dtype,
+            "enforce_eager": True, "max_model_len": target.config.max_position_embeddings,
+            "max_num_seqs": max_num_seqs, "max_new_tokens": max_new_tokens, "prompts": prompts}
+
+
 def engine_evaluation(ec: EngineConfig, ev: EvalConfig, target: Target, head, exports: dict[str, Path],
                       target_dir: Path, out_dir: Path) -> dict:
     """Serve each export in `exports` ({name: dir}, the layout read from its config) with the target in
@@ -226,9 +235,7 @@ def engine_evaluation(ec: EngineConfig, ev: EvalConfig, target: Target, head, ex
     ours = {"drafter": f"chain of {k}", **chain_counters([a for row in rounds for a in row], k)}
     ours |= {"tau": tau_of(ours), "per_prompt": [chain_counters(row, k) for row in rounds]}
     python, work = engine_python(ec.name, ec.python, f"eval.engine.name={ec.name}"), out_dir / "engine"
-    request = {"target": str(target_dir), "draft": None, "layout": None, "num_speculative_tokens": k,
-               "dtype": ec.dtype, "enforce_eager": True, "max_model_len": target.config.max_position_embeddings,
-               "max_num_seqs": ec.max_num_seqs, "max_new_tokens": ev.max_new_tokens, "prompts": prompts}
+    request = serve_request(target, target_dir, prompts, k, ec.dtype, ev.max_new_tokens, ec.max_num_seqs)
     log.info("%s: plain greedy decoding of %d prompts (log in %s)", ec.name, len(prompts), work)
     plain = run_worker(ec.name, python, {**request, "top2_logprobs": ec.dtype == "float32"}, work, "plain")
     plain_tokens = sum(len(o) for o in plain["outputs"])

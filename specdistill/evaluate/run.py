@@ -35,6 +35,7 @@ from specdistill.evaluate.advice import advise, head_cost, target_cost
 from specdistill.evaluate.bench import conversation_ids, load_prompts, turn_batches
 from specdistill.evaluate.engine import engine_digest, evaluate_in_engine
 from specdistill.evaluate.report import write_report
+from specdistill.heads.base import drafts_in_parallel
 from specdistill.heads.checkpoint import HEAD_CONFIG, check_head_fits_target, load_head
 from specdistill.io import weights_fingerprint
 from specdistill.layout import RunLayout
@@ -68,8 +69,12 @@ def load_any_head(path: str | Path, target: Target):
     return head
 
 
-def tree_shape(ev: EvalConfig) -> dict:
-    """The head tree's (depth, topk, num_draft_tokens): the dynamic tree's, or the sampled tree's."""
+def tree_shape(ev: EvalConfig, parallel: bool = False) -> dict:
+    """The head tree's (depth, topk, num_draft_tokens): the dynamic tree's, or the sampled tree's; a P-EAGLE head
+    (`parallel`) drafts a chain of the tree's depth, as vLLM serves it (its depths past the first do not read the
+    draft before them, so a tree would branch into copies of one distribution)."""
+    if parallel:
+        return {"depth": ev.tree.depth, "topk": 1, "num_draft_tokens": ev.tree.depth}
     if ev.temperature > 0 and ev.rejection == "multi_candidate":
         nodes = sum(prod(ev.branching[: d + 1]) for d in range(len(ev.branching)))
         return {"depth": len(ev.branching), "topk": max(ev.branching), "num_draft_tokens": nodes}
@@ -89,9 +94,10 @@ def evaluated_shapes(report: dict, tallies: dict[str, Tally]) -> list[dict]:
 def drafters(head, target: Target, ev: EvalConfig) -> dict[str, tuple[object, int]]:
     """name -> (proposer, depth of its trees)."""
     t = ev.tree
-    shape = "sampled" if ev.temperature > 0 and ev.rejection == "multi_candidate" else "tree"
+    parallel = drafts_in_parallel(head)
+    shape = "chain" if parallel else "sampled" if ev.temperature > 0 and ev.rejection == "multi_candidate" else "tree"
     out = {MAIN: (HeadProposer(head, target.vocab_size, shape, t.depth, t.topk, t.num_draft_tokens, ev.branching),
-                  tree_shape(ev)["depth"])}
+                  tree_shape(ev, parallel)["depth"])}
     if "chain" in ev.baselines:
         out["chain"] = (HeadProposer(head, target.vocab_size, "chain", t.depth), t.depth)
     if "prompt_lookup" in ev.baselines:
@@ -302,7 +308,7 @@ def evaluate(cfg: RunConfig, target: Target, head, out_dir: Path, head_path: str
     greedy = ev.temperature == 0
     report = {
         **tallies[MAIN].report(plain_s, greedy),
-        "tree": tree_shape(ev),
+        "tree": tree_shape(ev, drafts_in_parallel(head)),
         "temperature": ev.temperature,
         "num_prompts": len(rows),
         "bench": ev.bench,
@@ -331,7 +337,7 @@ def evaluate(cfg: RunConfig, target: Target, head, out_dir: Path, head_path: str
     report["serving_advice"] = advise(table, target_cost(target.model, ev.advice), head_cost(head, ev.advice),
                                       ev.advice, head.config.kind,
                                       serve_dirs or dict.fromkeys(("sglang", "vllm"), head_path or "<head dir>"),
-                                      evaluated_shapes(report, tallies))
+                                      evaluated_shapes(report, tallies), drafts_in_parallel(head))
     if ev.engine.name:  # the same head served by the engine, its tau beside our chain's
         report["engine"] = engine_digest(evaluate_in_engine(cfg.eval, cfg.export.dtype, cfg.target, target, head,
                                                             out_dir))

@@ -10,6 +10,7 @@ version, each prompt's output ids, the engine's own speculative-decoding counter
 """
 
 import json
+import os
 import sys
 import time
 from importlib.metadata import version
@@ -60,6 +61,9 @@ def main(request_path: str, result_path: str) -> None:
     else:
         model = request["target"]
         engine_args["speculative_config"] = {"method": "eagle3", "model": draft, "num_speculative_tokens": k}
+        with open(os.path.join(draft, "config.json")) as f:
+            if json.load(f).get("parallel_drafting"):  # P-EAGLE: the HF layout's flag goes in by hand
+                engine_args["speculative_config"]["parallel_drafting"] = True
     t0 = time.perf_counter()
     llm = LLM(model=model, **engine_args)
     load_s = time.perf_counter() - t0

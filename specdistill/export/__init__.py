@@ -11,12 +11,20 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from specdistill.export import common, native_mtp, sglang, speculators, trtllm, vllm
+from specdistill.heads.base import drafts_in_parallel
 
 log = logging.getLogger(__name__)
 
 EAGLE3_LAYOUTS = {"sglang": sglang, "vllm": vllm, "speculators": speculators, "trtllm": trtllm}
 MTP_LAYOUTS = {"native_mtp": native_mtp}
 FITTING_FORMATS = {"eagle3": ["sglang", "vllm"], "native_mtp": ["native_mtp"], "mtp": []}  # export.formats: null
+# P-EAGLE: vLLM serves it (`parallel_drafting`); SGLang's and TensorRT-LLM's docs define no layout for it
+PARALLEL_LAYOUTS = ["vllm", "speculators"]
+
+
+def fitting_formats(head) -> list[str]:
+    """The layouts `export.formats: null` writes for this head."""
+    return PARALLEL_LAYOUTS if drafts_in_parallel(head) else FITTING_FORMATS[head.config.kind]
 
 
 def export_eagle3(head, fmt: str, out_dir: str | Path, dtype: str = "bfloat16", target: str | None = None,
@@ -26,6 +34,9 @@ def export_eagle3(head, fmt: str, out_dir: str | Path, dtype: str = "bfloat16", 
     if fmt not in EAGLE3_LAYOUTS:
         raise common.ExportError(f"export format {fmt!r} does not fit an EAGLE-3 head; "
                                  f"expected one of {list(EAGLE3_LAYOUTS)}")
+    if head.config.parallel_drafting and fmt not in PARALLEL_LAYOUTS:
+        raise common.ExportError(f"export format {fmt!r} does not fit a P-EAGLE head: its engine's docs define no "
+                                 f"parallel-drafting layout; expected one of {PARALLEL_LAYOUTS}")
     if target_config is not None:
         common.check_target_dims(target_config, common.eagle3_target_dims(head.config), f"{fmt} export")
     state = {k: v.detach().cpu() for k, v in head.trainable_state_dict().items()}

@@ -84,15 +84,18 @@ def block_shapes(arch: HeadArch, in_dim: int) -> dict[str, tuple[int, ...]]:
     }
 
 
-def fc_norm_keys(config: Eagle3Config) -> list[str]:
-    """The per-layer norms before `fc` (Eagle 3.1, `fc_norm`), one per captured layer in capture order: every
-    engine's loader names them as we do."""
-    return [f"fc_norm.{i}.weight" for i in range(len(config.aux_layer_ids))] if config.fc_norm else []
+def optional_shapes(config: Eagle3Config) -> dict[str, tuple[int, ...]]:
+    """Tensors only some EAGLE-3 heads have, named alike by every engine's loader: Eagle 3.1's norms before `fc`
+    (`fc_norm`, one per captured layer in capture order) and P-EAGLE's `mask_hidden` (one captured-feature row)."""
+    width = config.target_hidden_size
+    norms = {f"fc_norm.{i}.weight": (width,) for i in range(len(config.aux_layer_ids))} if config.fc_norm else {}
+    mask = {"mask_hidden": (1, len(config.aux_layer_ids) * width)} if config.parallel_drafting else {}
+    return norms | mask
 
 
 def eagle3_key_map(key_map: Mapping[str, str | None], config: Eagle3Config) -> dict[str, str | None]:
-    """A layout's `KEY_MAP` for this head: with its `fc_norm` keys, unrenamed, where it has them."""
-    return {**key_map, **{key: key for key in fc_norm_keys(config)}}
+    """A layout's `KEY_MAP` for this head: with its optional keys, unrenamed, where it has them."""
+    return {**key_map, **{key: key for key in optional_shapes(config)}}
 
 
 def eagle3_shapes(config: Eagle3Config) -> dict[str, tuple[int, ...]]:
@@ -100,7 +103,7 @@ def eagle3_shapes(config: Eagle3Config) -> dict[str, tuple[int, ...]]:
     d = config.arch.hidden_size
     shapes = {
         "embed_tokens.weight": (config.vocab_size, d),
-        **{key: (config.target_hidden_size,) for key in fc_norm_keys(config)},
+        **optional_shapes(config),
         "fc.weight": (d, len(config.aux_layer_ids) * config.target_hidden_size),
         **{f"midlayer.{k}": s for k, s in block_shapes(config.arch, 2 * d).items()},
         "midlayer.hidden_norm.weight": (d,),
@@ -109,7 +112,7 @@ def eagle3_shapes(config: Eagle3Config) -> dict[str, tuple[int, ...]]:
         "d2t": (config.draft_vocab_size,),
         "t2d": (config.vocab_size,),
     }
-    assert set(shapes) == {*EAGLE3_KEYS, *fc_norm_keys(config)}
+    assert set(shapes) == {*EAGLE3_KEYS, *optional_shapes(config)}
     return shapes
 
 
@@ -196,7 +199,7 @@ def cast(state: Mapping[str, torch.Tensor], dtype: str, d2t_dtype: torch.dtype =
 
 def rename(state: Mapping[str, torch.Tensor], key_map: Mapping[str, str | None],
            config: Eagle3Config) -> dict[str, torch.Tensor]:
-    """Our key -> the engine's key (a layout's `KEY_MAP`, with the head's `fc_norm` keys); a key mapped to None is
+    """Our key -> the engine's key (a layout's `KEY_MAP`, with the head's optional keys); a key mapped to None is
     deliberately not written."""
     key_map = eagle3_key_map(key_map, config)
     return {key_map[k]: v for k, v in state.items() if key_map[k] is not None}
@@ -253,6 +256,12 @@ def llama_fields(arch: HeadArch, vocab_size: int) -> dict:
         "mlp_bias": False,
         **rope_fields(arch.rope_parameters),
     }
+
+
+def parallel_fields(config: Eagle3Config) -> dict:
+    """P-EAGLE's fields: `mask_token_id` (vLLM reads it from the draft's config for the mask slots) and
+    `parallel_drafting` (our reader's flag; vLLM takes it from the engine's speculative config)."""
+    return {"parallel_drafting": True, "mask_token_id": config.mask_token_id} if config.parallel_drafting else {}
 
 
 def eagle3_fields(config: Eagle3Config, dtype: str) -> dict:

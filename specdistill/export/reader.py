@@ -45,6 +45,7 @@ def aux_layer_ids(config: dict, where: str) -> list[int]:
 def head_config(config: dict, where: str) -> Eagle3Config:
     """Rebuild the head config from an exported config.json."""
     layer = config["transformer_layer_config"] if "speculators_model_type" in config else config
+    parallel = bool(config.get("parallel_drafting")) or config.get("speculators_model_type") == "peagle"
     try:
         heads = layer["num_attention_heads"]
         arch = HeadArch(
@@ -59,6 +60,7 @@ def head_config(config: dict, where: str) -> Eagle3Config:
             target_hidden_size=config.get("target_hidden_size") or layer["hidden_size"],
             aux_layer_ids=aux_layer_ids(config, where), target_num_layers=config["target_num_hidden_layers"],
             fc_norm=bool(config.get("fc_norm", False)),  # top level in every layout; absent: plain EAGLE-3
+            parallel_drafting=parallel, mask_token_id=config["mask_token_id"] if parallel else None,
         )
     except KeyError as err:
         raise common.ExportError(f"{where}: missing config field {err}") from err
@@ -84,6 +86,8 @@ def read_head(directory: str | Path, dtype: torch.dtype = torch.float32) -> Eagl
     if unknown:
         raise common.ExportError(f"{weights}: keys {unknown} are not in the {layout.NAME} layout")
     state = {ours[k]: v for k, v in tensors.items()}
+    if "mask_hidden" in state:
+        state["mask_hidden"] = state["mask_hidden"].reshape(1, -1)  # speculators keeps it [1, 1, A]
     if "d2t" in state and "t2d" not in state:
         common.check_vocab_map(state["d2t"], None, head_cfg.vocab_size, str(weights))
         target_ids = torch.arange(len(state["d2t"])) + state["d2t"].long()

@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 
 from specdistill.config import EMBEDDED_TARGET, RANDOM_TARGET, RunConfig
-from specdistill.export import EAGLE3_LAYOUTS, FITTING_FORMATS, MTP_LAYOUTS, common, export_eagle3, export_mtp
+from specdistill.export import EAGLE3_LAYOUTS, MTP_LAYOUTS, common, export_eagle3, export_mtp, fitting_formats
 from specdistill.heads.checkpoint import load_head
 from specdistill.layout import RunLayout
 from specdistill.target import served_dir
@@ -25,7 +25,7 @@ def export_checkpoint(ckpt: str | Path, formats: list[str] | None, out: str | Pa
     head = load_head(ckpt)
     kind = head.config.kind
     if formats is None:
-        formats = FITTING_FORMATS[kind]
+        formats = fitting_formats(head)
         if not formats:
             log.warning("no engine serves the %s head in %s (an MTP head on a target without its own MTP layers); "
                         "nothing exported", kind, ckpt)

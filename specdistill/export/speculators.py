@@ -16,6 +16,10 @@ proposal method and the verifier (vLLM requires `verifier.name_or_path` and `spe
 `norm_before_residual: false` (vLLM defaults it to true here, which would change the model), plus the
 speculators flags `norm_before_fc` and `norm_output` false and `fc_norm` the head's (vLLM's `update_eagle3` passes
 it on; both loaders then build `fc_norm.<i>` and take our `fc_norm.<i>.weight` as they are).
+
+P-EAGLE: `speculators_model_type: peagle` (vLLM's `update_peagle` turns on parallel drafting and reads
+`mask_token_id`), `mask_hidden` as speculators' [1, 1, 3 x target_hidden] parameter (vLLM views it flat). That
+reader passes no `fc_norm` on, so a P-EAGLE head with Eagle 3.1's norms is refused here.
 """
 
 from __future__ import annotations
@@ -47,13 +51,18 @@ def convert(state: Mapping[str, torch.Tensor], config: Eagle3Config, dtype: str 
     if speculative_tokens < 1:
         raise common.ExportError(f"{NAME} export: speculative_tokens = {speculative_tokens}, expected at least 1")
     common.check_target_width(config, f"{NAME} export")
+    if config.parallel_drafting and config.fc_norm:
+        raise common.ExportError(f"{NAME} export: a P-EAGLE head with Eagle 3.1's fc_norm; vLLM reads this layout's "
+                                 "`peagle` config without `fc_norm` and would serve the head without its norms: "
+                                 "export the vllm layout instead")
+    model_type = "peagle" if config.parallel_drafting else "eagle3"
     layer = common.llama_fields(config.arch, config.vocab_size) | {
         "num_hidden_layers": 1, "tie_word_embeddings": False, "torch_dtype": dtype, "dtype": dtype}
     fields = {
         "architectures": [ARCHITECTURE],
-        "speculators_model_type": "eagle3",
+        "speculators_model_type": model_type,
         "speculators_config": {
-            "algorithm": "eagle3",
+            "algorithm": model_type,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": target, "architectures": []},
@@ -69,5 +78,8 @@ def convert(state: Mapping[str, torch.Tensor], config: Eagle3Config, dtype: str 
         "norm_output": False,
         "torch_dtype": dtype,
         "dtype": dtype,
-    }
-    return common.Converted(common.rename(common.cast(state, dtype, D2T_DTYPE), KEY_MAP, config), fields)
+    } | ({"mask_token_id": config.mask_token_id} if config.parallel_drafting else {})
+    tensors = common.rename(common.cast(state, dtype, D2T_DTYPE), KEY_MAP, config)
+    if "mask_hidden" in tensors:
+        tensors["mask_hidden"] = tensors["mask_hidden"].reshape(1, 1, -1)  # speculators' parameter shape
+    return common.Converted(tensors, fields)

@@ -13,6 +13,10 @@ Config: the common EAGLE-3 fields plus the flags vLLM reads: top-level
 `set_aux_hidden_state_layers`), `norm_before_residual: false` (our residual is the un-normed hidden
 state; vLLM's speculators path defaults it to true, so it is always written), and
 `eagle_config.use_aux_hidden_state: true` (otherwise vLLM drops `fc`).
+
+P-EAGLE: `mask_hidden` [1, 3 x target_hidden] (vLLM's buffer of that shape, refused if absent when parallel
+drafting is on) and `mask_token_id` in config.json; the server turns it on with `"parallel_drafting": true` in
+its speculative config (the speculators layout turns it on by itself).
 """
 
 from __future__ import annotations
@@ -35,5 +39,5 @@ def convert(state: Mapping[str, torch.Tensor], config: Eagle3Config, dtype: str 
             target: str | None = None, speculative_tokens: int = 3) -> common.Converted:
     """Validated vLLM tensors and config.json for one head (`target` is not recorded here)."""
     common.check_eagle3(state, config, f"{NAME} export", NUM_AUX)
-    fields = common.eagle3_fields(config, dtype) | {"norm_before_residual": False}
+    fields = common.eagle3_fields(config, dtype) | {"norm_before_residual": False} | common.parallel_fields(config)
     return common.Converted(common.rename(common.cast(state, dtype, D2T_DTYPE), KEY_MAP, config), fields)

@@ -23,6 +23,11 @@ class HeadConfigMixin:
         return cls(**d)
 
 
+def drafts_in_parallel(head) -> bool:
+    """A P-EAGLE head: its depths past the first read a mask, not the draft before them (EAGLE-3 config only)."""
+    return bool(getattr(head.config, "parallel_drafting", False))
+
+
 class DraftHead(nn.Module):
     def __init__(self, vocab_size: int, draft_vocab_size: int, hidden_size: int):
         super().__init__()
@@ -31,6 +36,11 @@ class DraftHead(nn.Module):
         self.lm_head = nn.Linear(hidden_size, draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(vocab_size, dtype=torch.bool))
+
+    def step_input(self, token_ids_BT: torch.Tensor, hidden_BTD: torch.Tensor, depth: int):
+        """What a slot at `depth` >= 1 reads, given the previous draft and the previous output: those, unless the
+        head drafts its depths in parallel (P-EAGLE)."""
+        return token_ids_BT, hidden_BTD
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

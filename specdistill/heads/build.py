@@ -66,7 +66,9 @@ def build_head(head_cfg: HeadConfig, target, d2t: torch.Tensor, t2d: torch.Tenso
     if head_cfg.kind == "mtp" and declares_mtp(tc):
         return build_native_mtp(target)
     config_cls, head_cls = HEADS[head_cfg.kind]
-    extra = {"num_modules": head_cfg.mtp_num_modules} if head_cfg.kind == "mtp" else {"fc_norm": head_cfg.fc_norm}
+    extra = {"num_modules": head_cfg.mtp_num_modules} if head_cfg.kind == "mtp" else {
+        "fc_norm": head_cfg.fc_norm, "parallel_drafting": head_cfg.parallel_drafting,
+        "mask_token_id": mask_token_id(head_cfg, target) if head_cfg.parallel_drafting else None}
     config = config_cls(
         arch=arch_from_target(tc, head_cfg),
         vocab_size=tc.vocab_size,
@@ -94,6 +96,29 @@ def build_head(head_cfg: HeadConfig, target, d2t: torch.Tensor, t2d: torch.Tenso
                              "head.freeze_lm_head=false to train the head's own")
         head.lm_head.weight.requires_grad_(False)
     return head
+
+
+def mask_token_id(head_cfg: HeadConfig, target) -> int:
+    """P-EAGLE's mask token: `head.mask_token_id`, else the tokenizer's mask token, else its first unused embedding
+    row, else pad, else eos (speculators' order, so a head trained by either picks the same token)."""
+    vocab = target.config.vocab_size
+    if head_cfg.mask_token_id is not None:
+        if head_cfg.mask_token_id >= vocab:
+            raise ValueError(f"config field `head.mask_token_id`: {head_cfg.mask_token_id} is not below the target's "
+                             f"vocabulary size {vocab}")
+        return head_cfg.mask_token_id
+    tok = target.tokenizer
+    if tok is None:
+        raise ValueError("config field `head.mask_token_id`: the target has no tokenizer to pick a mask token from; "
+                         "set head.mask_token_id")
+    unused = len(tok) if len(tok) < vocab else None
+    for found in (tok.mask_token_id, unused, tok.pad_token_id, tok.eos_token_id):
+        if found is not None:
+            log.info("P-EAGLE mask token: %d (%r)", found, tok.convert_ids_to_tokens(found) if found < len(tok) else
+                     "an unused embedding row")
+            return int(found)
+    raise ValueError("config field `head.mask_token_id`: the tokenizer has no mask, pad or eos token and no unused "
+                     "embedding row; set head.mask_token_id")
 
 
 def build_native_mtp(target) -> NativeMTPHead:

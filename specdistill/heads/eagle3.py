@@ -1,6 +1,8 @@
 """EAGLE-3 draft head: fc over the target's captured layers, one decoder layer over
 cat(input_layernorm(embedding), hidden_norm(hidden)), final norm, lm_head over the draft vocabulary.
-Eagle 3.1's `fc_norm` puts one RMSNorm on each captured layer before `fc`.
+Eagle 3.1's `fc_norm` puts one RMSNorm on each captured layer before `fc`. P-EAGLE (`parallel_drafting`) drafts
+every depth in one forward: past depth 0 a slot reads the mask token and `fc(mask_hidden)` instead of the previous
+draft and the previous output, so the depths differ only in position and in what they attend to.
 
 Parameter names are the SGLang checkpoint layout (`fc`, `fc_norm.<i>`, `midlayer.*`, `norm`, `lm_head`, `d2t`,
 `t2d`), so exporters only rename where an engine wants something else.
@@ -31,6 +33,8 @@ class Eagle3Config(HeadConfigMixin):
     target_name: str | None = None  # the target it was trained for (None: read back from an engine export)
     target_embedding: str | None = None  # `embedding_fingerprint` of that target's input embedding
     fc_norm: bool = False  # Eagle 3.1: an RMSNorm per captured layer before fc (a config without it: plain EAGLE-3)
+    parallel_drafting: bool = False  # P-EAGLE: depths past 0 read `mask_token_id` and `mask_hidden`
+    mask_token_id: int | None = None
 
 
 class Eagle3Layer(nn.Module):
@@ -67,6 +71,12 @@ class Eagle3Head(DraftHead):
         self.midlayer = Eagle3Layer(arch)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.rotary = Rotary(arch)
+        if config.parallel_drafting:
+            if config.mask_token_id is None or not 0 <= config.mask_token_id < config.vocab_size:
+                raise ValueError(f"P-EAGLE head: mask_token_id {config.mask_token_id!r} is not a token id below the "
+                                 f"vocabulary size {config.vocab_size}")
+            # standard normal, as speculators starts it; served through fc (and fc_norm) like the target's layers
+            self.mask_hidden = nn.Parameter(torch.randn(1, num_aux * config.target_hidden_size))
 
     def initial_hidden(self, aux_BTA: torch.Tensor, last_BTH: torch.Tensor | None = None) -> torch.Tensor:
         """Step-0 hidden input: the fused target features."""
@@ -79,6 +89,14 @@ class Eagle3Head(DraftHead):
             return aux_BTA
         layers = aux_BTA.chunk(len(self.fc_norm), dim=-1)
         return torch.cat([norm(layer) for norm, layer in zip(self.fc_norm, layers)], dim=-1)
+
+    def step_input(self, token_ids_BT, hidden_BTD, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a slot at `depth` >= 1 reads: the previous draft and the previous output (EAGLE-3), or the mask
+        token and `fc(mask_hidden)` (P-EAGLE), shaped like them."""
+        if not self.config.parallel_drafting:
+            return token_ids_BT, hidden_BTD
+        mask_hidden = self.initial_hidden(self.mask_hidden).to(hidden_BTD.dtype)
+        return torch.full_like(token_ids_BT, self.config.mask_token_id), mask_hidden.expand(*token_ids_BT.shape, -1)
 
     def step(self, token_ids_BT, hidden_BTD, position_ids_BT, attend, depth: int = 0) -> torch.Tensor:
         """One application of the layer; `attend(q, k, v) -> o` is the attention core (TTT or cached).

@@ -5,7 +5,9 @@ fused target features), sits at RoPE position t+j, attends causally to step-0 ke
 position's keys from steps 1..j, and is trained toward the target's distribution at t+1+j for the
 token x[t+2+j], weighted step_weight**j. In a packed row (several documents) attention stays inside
 each document, positions restart per document, and a position is trained only if x[t+2+j] belongs to
-its own document, so no shift crosses a document boundary. Steps >= 1 run only over the range of
+its own document, so no shift crosses a document boundary. A P-EAGLE head reads a mask token and its
+`mask_hidden` at steps >= 1 instead (`head.step_input`), with the same positions, attention and targets: the
+parallel slots vLLM appends after the last committed token. Steps >= 1 run only over the range of
 positions some later step trains: a position's later steps read step-0 keys and their own, nothing else.
 
 Shapes: B batch, T tokens, M positions with a target at a step, Q positions run at a step, A aux features, D head hidden,
@@ -126,8 +128,10 @@ def unroll_ttt(head, batch: TTTBatch, teacher: TeacherTargets, steps: int, step_
             hidden = hidden[:, lo:hi]
             causal_QT = torch.arange(T, device=dev)[None] <= torch.arange(lo, hi, device=dev)[:, None]
             mask_BQT = causal_QT[None] if mask0_BTT is None else mask0_BTT[:, lo:hi]
-        # 2. step j reads the token x[t+1+j] and the previous step's hidden, at position t+j
-        hidden = head.step(window(ids, 1 + j), hidden, window(positions_BT) + j, attend, depth=j)
+        # 2. step j reads the token x[t+1+j] and the previous step's hidden (P-EAGLE: the mask token and
+        #    fc(mask_hidden), so the step cannot lean on the drafts before it), at position t+j
+        tokens_BQ, hidden_in = (window(ids, 1), hidden) if j == 0 else head.step_input(window(ids, 1 + j), hidden, j)
+        hidden = head.step(tokens_BQ, hidden_in, window(positions_BT) + j, attend, depth=j)
         # 3. its target is the teacher at t+1+j predicting x[t+2+j], for the M positions t of the range where
         #    that token exists; counted only inside one document, trained only where the draft vocab covers it
         #    (the logits only over the range [a, b) of those positions that some row trains: at step 0 this
