@@ -12,7 +12,8 @@ run's data and features, at the same optimizer steps and tokens a step; vLLM ser
 4. vLLM serves the plain target, our head and theirs on `--prompts` frozen test-split prompts, a chain of `--k`,
    one request at a time: tau with a paired 95% interval, acceptance per position, tokens/s.
 
-Writes <run>/anchor/anchor.json and prints ours against theirs.
+Writes <run>/anchor/anchor.json, prints ours against theirs and ends with `RESULT baseline=speculators
+tau_ratio=... s_per_step_ratio=... per_token_ratio=...` (ours / theirs).
 """
 
 from __future__ import annotations
@@ -150,6 +151,8 @@ def print_report(r: dict, path: Path) -> None:
           f"speculators {t['speculators']['s_per_step']} ({t['speculators']['tokens_per_step']} tokens); ours / "
           f"speculators {t['s_per_step_ratio']}x a step, {t['per_token_ratio']}x a token")
     print(f"written to {path}")
+    print(f"RESULT baseline=speculators tau_ratio={r['tau_ratio']['ratio']:.3f} "
+          f"s_per_step_ratio={t['s_per_step_ratio']:.3f} per_token_ratio={t['per_token_ratio']:.3f}")
 
 
 if __name__ == "__main__":

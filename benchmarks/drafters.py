@@ -10,7 +10,8 @@ optimizer steps, each served by vLLM on the same frozen test-split prompts in on
    prompts, a chain of `--k`, one request at a time: tau with a paired 95% interval against EAGLE-3, acceptance
    per position, tokens/s beside plain decoding's.
 
-Writes <run>/drafters/drafters.json and prints the table.
+Writes <run>/drafters/drafters.json, prints the table and ends with `RESULT baseline=eagle3 <drafter>_tau_ratio=...
+<drafter>_tokens_per_s_ratio=...` (each against the run's EAGLE-3 head).
 """
 
 from __future__ import annotations
@@ -105,6 +106,10 @@ def print_table(r: dict, path: Path) -> None:
         print(f"| {name} | {h['steps']} | {h['train_s']} | {h['tau']:.3f} {tau_ci} | {against} | "
               f"{h['acceptance_per_pos']} | {h['tokens_per_s']} |")
     print(f"written to {path}")
+    fields = [f"{name}_tau_ratio={h['tau_ratio']['ratio']:.3f} "
+              f"{name}_tokens_per_s_ratio={h['tokens_per_s'] / r['heads'][r['baseline']]['tokens_per_s']:.3f}"
+              for name, h in r["heads"].items() if "tau_ratio" in h]
+    print(f"RESULT baseline={r['baseline']} " + " ".join(fields))
 
 
 if __name__ == "__main__":
