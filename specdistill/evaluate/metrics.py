@@ -43,12 +43,13 @@ def counters_tau_ratio(a: list[dict], b: list[dict], seed: int, level: float = 0
     if len(a) != len(b):
         raise ValueError(f"paired counters: {len(a)} prompts against {len(b)}")
     draws = _draws(len(a), seed)
-    taus = [_drawn_taus(np.array([c["drafts"] + c["accepted"] for c in side], dtype=np.float64),
-                        np.array([c["drafts"] for c in side], dtype=np.float64), draws) for side in (a, b)]
+    sides = [(np.array([c["drafts"] + c["accepted"] for c in side], dtype=np.float64),
+              np.array([c["drafts"] for c in side], dtype=np.float64)) for side in (a, b)]
+    taus = [_drawn_taus(tokens, rounds, draws) for tokens, rounds in sides]
     ratio = np.divide(taus[0], taus[1], out=np.zeros(BOOTSTRAP_DRAWS), where=taus[1] > 0)
-    totals = [(sum(c["drafts"] + c["accepted"] for c in side), sum(c["drafts"] for c in side)) for side in (a, b)]
-    point = (totals[0][0] / max(1, totals[0][1])) / (totals[1][0] / max(1, totals[1][1]))
-    return {"ratio": round(point, 4), "ratio_ci": _interval(ratio, level), "tau_ci": [_interval(t, level) for t in taus]}
+    (tokens_a, rounds_a), (tokens_b, rounds_b) = sides
+    point = (tokens_a.sum() / max(1, rounds_a.sum())) / (tokens_b.sum() / max(1, rounds_b.sum()))
+    return {"ratio": round(float(point), 4), "ratio_ci": _interval(ratio, level), "tau_ci": [_interval(t, level) for t in taus]}
 
 
 def _draws(prompts: int, seed: int) -> np.ndarray:
