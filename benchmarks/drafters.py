@@ -1,10 +1,10 @@
-"""EAGLE-3, Eagle 3.1 and P-EAGLE heads at equal budget: the same run's data and features, the same recipe and
+"""EAGLE-3, Eagle 3.1, P-EAGLE and DFlash heads at equal budget: the same run's data and features, the same recipe and
 optimizer steps, each served by vLLM on the same frozen test-split prompts in one sitting.
 
     python benchmarks/drafters.py runs/<name> [--prompts 96] [--max-new-tokens 128] [--k 3] [--dtype bfloat16]
 
 1. The run's own head is the EAGLE-3 entry; each other drafter is trained as run `<name>-<drafter>` with the run's
-   config and only its head settings changed (`head.fc_norm=true`, `head=peagle`), so it reads the run's stored
+   config and only its head settings changed (`head.fc_norm=true`, `head=peagle`, `head=dflash`), so it reads the run's stored
    data and features and takes as many optimizer steps.
 2. Each head is exported in the vllm layout (`--dtype`) and served with the plain target on `--prompts` test-split
    prompts, a chain of `--k`, one request at a time: tau with a paired 95% interval against EAGLE-3, acceptance
@@ -28,23 +28,27 @@ from specdistill.evaluate.bench import conversation_ids, load_prompts
 from specdistill.evaluate.counters import served_summary
 from specdistill.evaluate.engine import run_worker, serve_request
 from specdistill.evaluate.metrics import counters_tau_ratio
-from specdistill.export import export_eagle3
+from specdistill.export import export_dflash, export_eagle3
 from specdistill.heads.checkpoint import load_head
 from specdistill.io import write_json
 from specdistill.layout import RunLayout
 from specdistill.pipeline import run_stages
 from specdistill.target import load_target, served_dir
 
-DRAFTERS = {"eagle3": {}, "eagle31": {"fc_norm": True}, "peagle": {"parallel_drafting": True}}
+DRAFTERS = {"eagle3": {}, "eagle31": {"fc_norm": True}, "peagle": {"parallel_drafting": True},
+            "dflash": {"kind": "dflash", "copy_init": False}}
 
 
 def trained(cfg, drafter: str) -> tuple[RunLayout, dict]:
     """The drafter's run (the base run itself for EAGLE-3, else trained now or found trained): its layout and its
     steps and training seconds."""
     if DRAFTERS[drafter]:
+        depth = min(cfg.eval.tree.depth, cfg.train.ttt_steps) if drafter == "dflash" else cfg.eval.tree.depth
+        tree = dataclasses.replace(cfg.eval.tree, depth=depth)  # a DFlash head drafts at most the masks it trains
         cfg = dataclasses.replace(cfg, name=f"{cfg.name}-{drafter}", stages=["train"],
                                   wandb=dataclasses.replace(cfg.wandb, mode="disabled"),
-                                  head=dataclasses.replace(cfg.head, **DRAFTERS[drafter]))
+                                  head=dataclasses.replace(cfg.head, **DRAFTERS[drafter]),
+                                  eval=dataclasses.replace(cfg.eval, tree=tree))
         run_stages(cfg)
     layout = RunLayout.of(cfg)
     history = json.loads((layout.train_dir / "history.json").read_text())
@@ -77,7 +81,8 @@ def main() -> None:
     plain = run_worker("vllm", python, request, work, "plain")
     heads = {}
     for name, (layout, budget) in runs.items():
-        export = export_eagle3(load_head(layout.trained_head_dir()), "vllm", out / "exports" / name, args.dtype)
+        write = export_dflash if name == "dflash" else export_eagle3
+        export = write(load_head(layout.trained_head_dir()), "vllm", out / "exports" / name, args.dtype)
         result = run_worker("vllm", python, {**request, "draft": str(export), "layout": "vllm"}, work, name)
         heads[name] = {"run": str(layout.run_dir), **budget, **served_summary(result, plain)}
     base = drafters[0]

@@ -162,8 +162,9 @@ class CaptureConfig:
 
 @dataclass
 class HeadConfig:
-    kind: str = setting("eagle3", "mtp: the target's own MTP module where its config declares one (conf/head/mtp.yaml)",
-                        choices=("eagle3", "mtp"))
+    kind: str = setting("eagle3", "mtp: the target's own MTP module where its config declares one (conf/head/mtp.yaml); "
+                        "dflash: block denoising, one forward drafts a block (conf/head/dflash.yaml)",
+                        choices=("eagle3", "mtp", "dflash"))
     hidden_size: int | None = setting(None, "null: the target's")
     intermediate_size: int | None = None
     num_attention_heads: int | None = None
@@ -178,10 +179,12 @@ class HeadConfig:
                             "unlike scales weigh alike (docs/engines.md: which engines serve it)")
     parallel_drafting: bool = setting(False, "EAGLE-3: P-EAGLE, one forward drafts every depth: depths past the first "
                                       "read a mask token and the learned `mask_hidden` (conf/head/peagle.yaml)")
-    mask_token_id: int | None = setting(None, "P-EAGLE: the mask slots' token; null: the tokenizer's mask token, else its "
+    mask_token_id: int | None = setting(None, "P-EAGLE, DFlash: the mask slots' token; null: the tokenizer's mask token, else its "
                                         "first unused embedding row, else pad, else eos (as speculators picks it)",
                                         ge=0)
     mtp_num_modules: int = setting(1, "MTP: 1 = one module applied recursively, k = k separate modules")
+    num_layers: int = setting(1, "DFlash: decoder layers of the draft (each reads the context's own keys and values)",
+                              ge=1)
 
 
 @dataclass
@@ -366,7 +369,14 @@ def _check_head(cfg: RunConfig) -> None:
     check(not head.copy_init or head.kind == "eagle3", "head.copy_init", "applies to EAGLE-3 heads only")
     check(not head.fc_norm or head.kind == "eagle3", "head.fc_norm", "applies to EAGLE-3 heads only")
     check(not head.parallel_drafting or head.kind == "eagle3", "head.parallel_drafting", "applies to EAGLE-3 heads only")
-    check(head.mask_token_id is None or head.parallel_drafting, "head.mask_token_id", "needs head.parallel_drafting=true")
+    check(head.mask_token_id is None or head.parallel_drafting or head.kind == "dflash", "head.mask_token_id",
+          "needs head.parallel_drafting=true or head.kind=dflash")
+    check(head.num_layers == 1 or head.kind == "dflash", "head.num_layers", "applies to DFlash heads only")
+    if head.kind == "dflash":  # a block holds the bonus and train.ttt_steps masks: no longer chain is drafted
+        for field, value in (("eval.tree.depth", cfg.eval.tree.depth),
+                             ("eval.engine.num_speculative_tokens", cfg.eval.engine.num_speculative_tokens)):
+            check(value <= cfg.train.ttt_steps, field, f"{value} is longer than the {cfg.train.ttt_steps} tokens a "
+                  "DFlash head trained with train.ttt_steps drafts a round")
     check(not head.copy_slow_pairs_only or head.copy_init, "head.copy_slow_pairs_only", "needs head.copy_init=true")
     check(not head.freeze_lm_head or head.init_lm_head_from_target, "head.freeze_lm_head",
           "needs head.init_lm_head_from_target=true (a frozen lm_head must start as the target's)")

@@ -63,6 +63,8 @@ def test_schema_defaults_are_the_embedded_default():
      ("data.documents.parts=[]", "data.documents.parts"),
      ("head=mtp head.copy_init=true", "head.copy_init"), ("head=mtp head.fc_norm=true", "head.fc_norm"),
      ("head=mtp head.parallel_drafting=true", "head.parallel_drafting"), ("head.mask_token_id=5", "head.mask_token_id"),
+     ("head.num_layers=2", "head.num_layers"), ("head=dflash eval.tree.depth=5", "eval.tree.depth"),
+     ("head=dflash eval.engine.num_speculative_tokens=5", "eval.engine.num_speculative_tokens"),
      ("head.copy_init=false head.copy_slow_pairs_only=true", "head.copy_slow_pairs_only"),
      ("data.synth.back_translations=9 data.synth.back_translation_source=Nope", "data.synth.back_translation_source"),
      ("data.synth.back_translations=9 data.synth.back_translation_prompt=German", "data.synth.back_translation_prompt"),

@@ -26,7 +26,7 @@ from specdistill.evaluate.counters import COUNTED, chain_counters
 from specdistill.evaluate.engine import compare, engine_evaluation, our_chain, served_exports
 from specdistill.evaluate.forced import bf16_spread, replay_bound
 from specdistill.evaluate.report import engine_markdown
-from specdistill.export import common, export_eagle3
+from specdistill.export import common, export_dflash, export_eagle3
 from specdistill.export.reader import read_head
 from specdistill.heads.checkpoint import head_from_state, load_head
 from specdistill.layout import trained_head_dir
@@ -239,7 +239,9 @@ def faulty(export: Path, out: Path, fault: str) -> Path:
     """A copy of a vLLM export with one fault an engine cannot see but drafts wrongly with."""
     shutil.copytree(export, out)
     config = json.loads((out / common.CONFIG_FILE).read_text())
-    if fault == "layer_ids_off_by_one":  # both conventions moved together, so the export stays self-consistent
+    if fault == "layer_ids_off_by_one" and "dflash_config" in config:  # a DFlash export names them once
+        config["dflash_config"]["target_layer_ids"] = [i + 1 for i in config["dflash_config"]["target_layer_ids"]]
+    elif fault == "layer_ids_off_by_one":  # both conventions moved together, so the export stays self-consistent
         config["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
         config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [
             i + 1 for i in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]
@@ -367,17 +369,9 @@ def peagle_served(embedded_run, tmp_path_factory):
     float32 in both layouts vLLM serves it from, and served beside our chain with a copy of the vllm export whose
     mask token is another one (the plain engine run reused from the embedded run): the report."""
     run_dir, _ = embedded_run
-    root = run_dir.parent
-    overrides = ["+exp=engine_check", "head=peagle", f"run_root={root}", "name=peagle", "stages=[prepare,capture,train]",
-                 f"data.path={root / 'prompts.jsonl'}", f"eval.bench={root / 'prompts.jsonl'}"]
-    proc = subprocess.run([sys.executable, "train.py", *overrides], cwd=ROOT, capture_output=True, text=True,
-                          timeout=3000, env=ENV)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    log = proc.stdout + proc.stderr
-    assert "prepare: reusing" in log and "capture: reusing" in log  # the embedded run's data and features
+    head = load_head(trained_beside(run_dir, "peagle", "head=peagle"))
     target_cfg = TargetConfig()
     out = reusing_engine_runs(run_dir, tmp_path_factory.mktemp("peagle") / "check")
-    head = load_head(trained_head_dir(root / "peagle" / "ckpt"))
     exports = {fmt: export_eagle3(head, fmt, out / "exports" / fmt, "float32", str(served_dir(target_cfg)))
                for fmt in ("vllm", "speculators")}
     exports["mask_token_wrong"] = faulty(exports["vllm"], out / "exports" / "mask_token_wrong", "mask_token_wrong")
@@ -401,6 +395,53 @@ def test_a_peagle_export_with_another_mask_token_makes_vllm_disagree(peagle_serv
     m = peagle_served["layouts"]["mask_token_wrong"]
     assert not m["counters_equal_ours"] and "differ from ours in float32" in m["finding"], m["finding"]
     assert m["outputs_equal_plain"] == peagle_served["num_prompts"]  # still lossless: only the drafts changed
+
+
+def trained_beside(run_dir: Path, name: str, *overrides: str) -> Path:
+    """A head trained as the embedded run's was (`+exp=engine_check` and `overrides`), on its stored data and
+    features: its checkpoint directory."""
+    root = run_dir.parent
+    args = ["+exp=engine_check", *overrides, f"run_root={root}", f"name={name}", "stages=[prepare,capture,train]",
+            f"data.path={root / 'prompts.jsonl'}", f"eval.bench={root / 'prompts.jsonl'}"]
+    proc = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=3000, env=ENV)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    log = proc.stdout + proc.stderr
+    assert "prepare: reusing" in log and "capture: reusing" in log  # the embedded run's data and features
+    return trained_head_dir(root / name / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def dflash_served(embedded_run, tmp_path_factory):
+    """A DFlash head (`head=dflash`) trained beside the embedded run's, exported in float32 in both layouts vLLM serves
+    it from, and served beside our block drafter with a copy of the vllm export whose captured layers are each one
+    further (the plain engine run reused from the embedded run): the report."""
+    run_dir, _ = embedded_run
+    head = load_head(trained_beside(run_dir, "dflash", "head=dflash"))
+    target_cfg = TargetConfig()
+    out = reusing_engine_runs(run_dir, tmp_path_factory.mktemp("dflash") / "check")
+    exports = {fmt: export_dflash(head, fmt, out / "exports" / fmt, "float32", str(served_dir(target_cfg)))
+               for fmt in ("vllm", "speculators")}
+    exports["layer_ids_off_by_one"] = faulty(exports["vllm"], out / "exports" / "layers", "layer_ids_off_by_one")
+    return engine_evaluation(EngineConfig(name="vllm"), served_as_in(run_dir, limit=4, max_new_tokens=48),
+                             load_target(target_cfg), head, exports, served_dir(target_cfg), out)
+
+
+@pytest.mark.slow
+def test_vllm_serves_a_dflash_head_exactly_as_our_block_drafter_counts(dflash_served):
+    ours, n = dflash_served["ours"], dflash_served["num_prompts"]
+    assert ours["accepted_per_pos"][1] > 0 and ours["accepted_per_pos"][2] > 0, ours  # mask slots drafting kept tokens
+    for layout in ("vllm", "speculators"):
+        m = dflash_served["layouts"][layout]
+        assert m["weight_warnings"] == [] and m["outputs_equal_plain"] == n, layout
+        assert m["counters_equal_ours"] and m["prompts_equal_ours"] == n and m["finding"] is None, (layout, m["finding"])
+
+
+@pytest.mark.slow
+def test_a_dflash_export_reading_other_layers_makes_vllm_disagree(dflash_served):
+    m = dflash_served["layouts"]["layer_ids_off_by_one"]
+    assert not m["counters_equal_ours"] and "differ from ours in float32" in m["finding"], m["finding"]
+    assert m["outputs_equal_plain"] == dflash_served["num_prompts"]  # still lossless: only the drafts changed
 
 
 def served_as_in(run_dir: Path, **settings) -> EvalConfig:

@@ -183,10 +183,24 @@ def test_a_peagle_head_is_advised_vllm_chains_drafted_in_one_forward():
     parallel = advise(table, target, head, AdviceConfig(), "eagle3", {"vllm": "v"}, evaluated, parallel=True)
     serial = advise(table, target, head, AdviceConfig(), "eagle3", {"sglang": "s", "vllm": "v"}, evaluated)
     for row, chain in zip(parallel["per_batch"], serial["per_batch"]):
-        assert row["topk"] == 1 and row["sglang"] == "(SGLang serves no P-EAGLE head)"
+        assert row["topk"] == 1 and row["sglang"] == "(no SGLang layout: a P-EAGLE or DFlash head is served by vLLM)"
         assert row["vllm_expected_speedup"] >= chain["vllm_expected_speedup"]  # one forward drafts every depth
         assert '"parallel_drafting": true' in row["vllm"] or row["vllm_expected_speedup"] <= 1
         assert "parallel_drafting" not in chain["vllm"]
+
+
+def test_a_dflash_head_is_advised_vllm_chains_of_its_block_by_its_own_method():
+    table = [[min(0.5 + 0.03 * w, 0.95) for w in range(1, 17)]] * 8  # deep acceptance: longer chains would pay
+    target, head = llama8b_like()
+    evaluated = [{"drafter": "head tree", "depth": 8, "topk": 1, "num_draft_tokens": 8, "tau": 3.0}]
+    advice = advise(table, target, head, AdviceConfig(), "dflash", {"vllm": "v"}, evaluated, parallel=True,
+                    max_steps=3)
+    unbounded = advise(table, target, head, AdviceConfig(), "dflash", {"vllm": "v"}, evaluated, parallel=True)
+    assert max(r["steps"] for r in unbounded["per_batch"]) > 3  # the bound binds
+    for row in advice["per_batch"]:
+        assert row["topk"] == 1 and row["steps"] <= 3 and row["vllm_steps"] <= 3
+        assert '"method": "dflash"' in row["vllm"] or row["vllm_expected_speedup"] <= 1
+        assert "parallel_drafting" not in row["vllm"]
 
 
 @pytest.fixture(scope="module")

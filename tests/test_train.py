@@ -191,6 +191,25 @@ def test_a_peagle_head_trains_its_mask_hidden_and_keeps_its_mask_token(prepared,
     assert Trainer(chosen, RunLayout.of(chosen), target).head.config.mask_token_id == 5
 
 
+def test_a_dflash_head_trains_packed_blocks_of_its_steps(prepared, tmp_path):
+    run_dir = run_dir_from(prepared, tmp_path, "dflash")
+    cfg = compose_cfg(run_dir, "train.max_steps=2", "head=dflash", "head.num_layers=2", "train.batching=pack")
+    target = load_target(cfg.target)
+    trainer = Trainer(cfg, RunLayout.of(cfg), target)
+    head = trainer.head
+    assert head.config.block_size == cfg.train.ttt_steps + 1 and len(head.layers) == 2
+    assert head.config.mask_token_id == len(target.tokenizer) < target.vocab_size  # the first unused row
+    before = {k: v.detach().clone() for k, v in head.named_parameters()}
+    assert trainer.fit(redacted(cfg))["steps"] == 2
+    moved = {k for k, v in head.named_parameters() if not torch.equal(v, before[k])}
+    assert {"fc.weight", "hidden_norm.weight", "layers.1.self_attn.k_norm.weight"} <= moved
+    assert "embed_tokens.weight" not in moved and "lm_head.weight" not in moved  # frozen, the target's
+    saved = load_head(run_dir / "ckpt" / "final")
+    assert saved.config.kind == "dflash" and saved.config.num_layers == 2
+    with pytest.raises(ConfigError, match="head.num_layers"):
+        compose_cfg(run_dir, "head.num_layers=2")
+
+
 def test_in_loop_tau_keeps_the_best_head_and_packing_trains(prepared, tmp_path):
     run_dir = run_dir_from(prepared, tmp_path, "best")
     cfg = compose_cfg(run_dir, "train.batching=pack", "train.eval_every=2", "train.max_steps=6",

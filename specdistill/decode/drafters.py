@@ -4,6 +4,7 @@ target chose, and keeps what it needs between rounds (`start` after the prefill,
 
 - `HeadProposer`: a trained head as an EAGLE-2 dynamic tree, a chain, or a sampled static tree; its `Drafter`
   holds the head's KV cache (committed entries with their validity, and the tree being drafted).
+- `BlockProposer`: a DFlash head, a chain drafted by one forward of its block (the bonus, then mask slots).
 - `LookupProposer`: prompt lookup (n-gram), no model at all.
 
 Positions follow the Training-Time Test: the draft cache entry t is the head's step-0 input at position t
@@ -19,10 +20,19 @@ from torch import Tensor
 
 from specdistill.decode.tree import Tree, chain_tree, grow_dynamic_tree, static_tree
 from specdistill.decode.verify import Sampling, Verdict
+from specdistill.heads.dflash import dense_attention
 from specdistill.heads.layers import cached_attention
 from specdistill.target_runner import TargetOutput
 
 HEAD_SHAPES = ("tree", "chain", "sampled")
+
+
+def target_logprobs(logits_BV: Tensor, draft_ids: Tensor, target_vocab: int) -> Tensor:
+    """Head log-probs over the draft vocab, placed in target-vocab ids (-inf elsewhere)."""
+    logp = torch.log_softmax(logits_BV.float(), -1)
+    out = torch.full((*logp.shape[:-1], target_vocab), float("-inf"), device=logp.device)
+    out[..., draft_ids] = logp
+    return out
 
 
 class Drafter:
@@ -37,11 +47,7 @@ class Drafter:
         self.root_hidden_BD = None
 
     def _target_logprobs(self, hidden, depth: int) -> Tensor:
-        """Head log-probs over the draft vocab, placed in target-vocab ids (-inf elsewhere)."""
-        logp = torch.log_softmax(self.head.logits(hidden, depth).float(), -1)
-        out = torch.full((*logp.shape[:-1], self.target_vocab), float("-inf"), device=logp.device)
-        out[..., self.draft_ids] = logp
-        return out
+        return target_logprobs(self.head.logits(hidden, depth), self.draft_ids, self.target_vocab)
 
     def select_rows(self, rows_R: Tensor) -> None:
         """Keep only these batch rows (finished rows leave the batch)."""
@@ -141,10 +147,14 @@ class HeadProposer:
             return grow_dynamic_tree(roots_B, self.root_logp_BV, step, self.depth, self.topk, self.num_nodes)
         sample = sampling.temperature > 0
         if self.shape == "chain":
-            return chain_tree(roots_B, self.root_logp_BV, step, self.depth, keep_probs=sample, sample=sample,
+            return chain_tree(roots_B, *self.chain_parts(roots_B), self.depth, keep_probs=sample, sample=sample,
                               generator=generator)
         return static_tree(roots_B, self.root_logp_BV, step, self.branching, keep_probs=True, sample=True,
                            generator=generator)
+
+    def chain_parts(self, roots_B: Tensor):
+        """A chain's root log-probs and its step function (`tree.chain_tree`'s inputs)."""
+        return self.root_logp_BV, self.drafter.step
 
     def commit(self, out: TargetOutput, verdict: Verdict, committed_B: Tensor, new_valid_BS: Tensor) -> None:
         """Append the accepted path (root + accepted nodes) to the head's cache."""
@@ -158,6 +168,75 @@ class HeadProposer:
     def select_rows(self, rows_R: Tensor) -> None:
         self.drafter.select_rows(rows_R)
         self.root_logp_BV = self.root_logp_BV[rows_R]
+
+
+class BlockProposer:
+    """Drafts with a DFlash head as vLLM does: a chain of `depth`, one forward of the block [bonus, mask x depth] at
+    the positions after the committed prefix, over each layer's keys and values of every committed position (their
+    captured layers). Sampling draws each slot from its own distribution, which verification then uses."""
+
+    def __init__(self, head, target_vocab: int, depth: int):
+        if not 1 <= depth < head.config.block_size:
+            raise ValueError(f"a DFlash head trained on blocks of {head.config.block_size} drafts 1 to "
+                             f"{head.config.block_size - 1} tokens a round, not {depth}")
+        self.head, self.target_vocab, self.depth = head, target_vocab, depth
+        self.draft_ids = torch.arange(len(head.d2t), device=head.d2t.device) + head.d2t
+        self.kv, self.valid_BL = None, None
+
+    @torch.inference_mode()
+    def extend(self, aux_BTA: Tensor, start: int | Tensor, valid_BT: Tensor) -> None:
+        """Append committed positions' keys and values; `start` is the position of the first valid entry."""
+        B = valid_BT.shape[0]
+        start_B = torch.as_tensor(start, device=valid_BT.device).expand(B)
+        positions_BT = start_B[:, None] + (valid_BT.long().cumsum(1) - 1).clamp(min=0)
+        new = self.head.context_kv(aux_BTA, positions_BT)
+        self.kv = new if self.kv is None else [(torch.cat([k, nk], 2), torch.cat([v, nv], 2))
+                                               for (k, v), (nk, nv) in zip(self.kv, new)]
+        self.valid_BL = valid_BT if self.valid_BL is None else torch.cat([self.valid_BL, valid_BT], 1)
+
+    def start(self, out: TargetOutput, next_tokens_BT: Tensor, valid_BT: Tensor) -> None:
+        self.kv = self.valid_BL = None
+        self.extend(out.aux_BTA, 0, valid_BT)
+
+    def propose(self, roots_B: Tensor, contexts: list[list[int]], sampling: Sampling,
+                generator: torch.Generator | None) -> Tree:
+        sample = sampling.temperature > 0
+        return chain_tree(roots_B, *self.chain_parts(roots_B), self.depth, keep_probs=sample, sample=sample,
+                          generator=generator)
+
+    @torch.inference_mode()
+    def chain_parts(self, roots_B: Tensor):
+        """The block's forward: the first slot's log-probs and a step function handing out the later slots'."""
+        B, W = len(roots_B), self.depth + 1
+        dev = roots_B.device
+        positions_BW = self.valid_BL.sum(1)[:, None] + torch.arange(W, device=dev)
+        mask_BWS = torch.cat([self.valid_BL[:, None].expand(B, W, -1),
+                              torch.ones(B, W, W, dtype=torch.bool, device=dev)], 2)
+        hidden_BWD = self.head.block(self.head.block_input(roots_B, W), positions_BW, self.kv, dense_attention(mask_BWS))
+        logp_BKV = target_logprobs(self.head.logits(hidden_BWD[:, 1:]), self.draft_ids, self.target_vocab)
+
+        def slot(tokens_BK, parent_BK, depth: int) -> Tensor:  # the chain's node at `depth` drafts slot depth + 1
+            return logp_BKV[:, depth, None]
+
+        return logp_BKV[:, 0], slot
+
+    def commit(self, out: TargetOutput, verdict: Verdict, committed_B: Tensor, new_valid_BS: Tensor) -> None:
+        """The accepted path's positions (root + accepted nodes) join the context."""
+        S = new_valid_BS.shape[1]
+        path_BS = verdict.accept_nodes[:, :S].clamp(min=0)
+        aux = out.aux_BTA.gather(1, path_BS[..., None].expand(-1, -1, out.aux_BTA.shape[-1]))
+        self.extend(aux, committed_B, new_valid_BS)
+
+    def select_rows(self, rows_R: Tensor) -> None:
+        self.kv = [(k[rows_R], v[rows_R]) for k, v in self.kv]
+        self.valid_BL = self.valid_BL[rows_R]
+
+
+def chain_proposer(head, target_vocab: int, depth: int):
+    """A chain of `depth` drafted the way engines draft this head: step by step, or (DFlash) as one block."""
+    if head.config.kind == "dflash":
+        return BlockProposer(head, target_vocab, depth)
+    return HeadProposer(head, target_vocab, "chain", depth)
 
 
 class LookupProposer:

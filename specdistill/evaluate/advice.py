@@ -70,10 +70,11 @@ def target_cost(model: nn.Module, cfg: AdviceConfig) -> ModelCost:
 
 
 def head_cost(head: nn.Module, cfg: AdviceConfig) -> ModelCost:
-    """A draft head: one decoder block, its fc / eh_proj and its lm_head over the draft vocabulary."""
+    """A draft head: its decoder blocks (one but DFlash's), its fc / eh_proj and its lm_head over the draft
+    vocabulary."""
     arch = head.config.arch
     params = sum(p.numel() for name, p in head.named_parameters() if not name.startswith("embed_tokens"))
-    return ModelCost(params=params, layers=1, attn_width=arch.num_attention_heads * arch.head_dim,
+    return ModelCost(params=params, layers=getattr(head.config, "num_layers", 1), attn_width=arch.num_attention_heads * arch.head_dim,
                      kv_bytes_per_token=2 * arch.num_key_value_heads * arch.head_dim * cfg.bytes_per_param)
 
 
@@ -132,23 +133,27 @@ def sglang_flags(kind: str, head_path: str, steps: int, topk: int, draft_tokens:
 
 
 def vllm_flags(kind: str, head_path: str, steps: int, parallel: bool = False) -> str:
-    """vLLM drafts chains: num_speculative_tokens = steps (a P-EAGLE head's in one forward: `parallel_drafting`)."""
-    method = "eagle3" if kind == "eagle3" else "mtp"
+    """vLLM drafts chains: num_speculative_tokens = steps (a P-EAGLE head's in one forward: `parallel_drafting`; a
+    DFlash head's always, by its own method)."""
+    method = kind if kind in ("eagle3", "dflash") else "mtp"
     config = {"method": method, "model": head_path, "num_speculative_tokens": steps}
-    if parallel:
+    if parallel and kind == "eagle3":
         config["parallel_drafting"] = True
     return f"--speculative-config '{json.dumps(config)}'"
 
 
 def advise(table: list[list[float]], target: ModelCost, head: ModelCost, cfg: AdviceConfig, kind: str,
-           serve_dirs: dict[str, str], evaluated: list[dict], parallel: bool = False) -> dict:
+           serve_dirs: dict[str, str], evaluated: list[dict], parallel: bool = False,
+           max_steps: int | None = None) -> dict:
     """The best tree (SGLang) and the best chain (vLLM) per batch size, with expected tau and speedup, as
     flags naming the head directory each engine loads (`serve_dirs["sglang"]`, `serve_dirs["vllm"]`).
     Where nothing beats plain decoding the advice is to serve without speculation. `evaluated` (each
     evaluated head shape: drafter, depth, topk, num_draft_tokens and measured tau) checks the model
-    against the measurements it came from: `model_check`. A P-EAGLE head (`parallel`) is advised chains only, each
-    drafted in one forward, and for vLLM only (SGLang defines no layout for it)."""
-    shapes = [c for c in candidates(max((len(row) for row in table), default=1)) if not parallel or c[1] == 1]
+    against the measurements it came from: `model_check`. A P-EAGLE or DFlash head (`parallel`) is advised chains
+    only, each drafted in one forward, and for vLLM only (we write no SGLang layout for them); a DFlash head's chains
+    are at most `max_steps` long (the masks it was trained on)."""
+    shapes = [c for c in candidates(max((len(row) for row in table), default=1))
+              if (not parallel or c[1] == 1) and (max_steps is None or c[0] <= max_steps)]
     grid = [(c, expected_tau(table, *c)) for c in shapes]
     per_batch = []
     for batch in cfg.batch_sizes:
@@ -159,7 +164,7 @@ def advise(table: list[list[float]], target: ModelCost, head: ModelCost, cfg: Ad
             "batch_size": batch, "steps": s, "topk": k, "num_draft_tokens": n,
             "expected_tau": round(tau_value, 3), "expected_speedup": round(speedup, 3),
             "speculate": speedup > 1.0,
-            "sglang": ("(SGLang serves no P-EAGLE head)" if parallel else
+            "sglang": ("(no SGLang layout: a P-EAGLE or DFlash head is served by vLLM)" if parallel else
                        sglang_flags(kind, serve_dirs["sglang"], s, k, n) if speedup > 1.0 else "(no speculative flags)"),
             "vllm_steps": cs, "vllm_expected_speedup": round(chain_speedup, 3),
             "vllm": (vllm_flags(kind, serve_dirs["vllm"], cs, parallel) if chain_speedup > 1.0

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from specdistill.cache import ResultCache, content_key
 from specdistill.config import ENGINE_LAYOUTS, EngineConfig, EvalConfig, TargetConfig
-from specdistill.decode.drafters import HeadProposer
+from specdistill.decode.drafters import chain_proposer
 from specdistill.decode.loop import speculative_generate
 from specdistill.decode.verify import GREEDY
 from specdistill.engines import EXCEPTION_LINE, EngineError, engine_env, engine_python, log_tail
@@ -35,7 +35,7 @@ from specdistill.evaluate.bench import conversation_ids, load_prompts, turn_batc
 from specdistill.evaluate.counters import COUNTED, chain_counters, same_counts, tau_of
 from specdistill.evaluate.forced import bf16_spread, detectable_tau_loss, replay_bound, replayed_counters
 from specdistill.evaluate.near_ties import explain, kernel_margin_gap
-from specdistill.export import export_eagle3, export_mtp
+from specdistill.export import export_dflash, export_eagle3, export_mtp
 from specdistill.export.common import CONFIG_FILE, WEIGHTS_FILE, read_config
 from specdistill.export.reader import detect_layout, read_head
 from specdistill.heads.native_mtp import checkpoint_mtp_state
@@ -62,7 +62,7 @@ def our_chain(target: Target, head, ev: EvalConfig, k: int) -> tuple[list[list[i
     """Our chain of `k` over the benchmark: prompt ids (later turns follow our greedy answers), outputs, and each
     prompt's accepted drafts per round."""
     items, _ = load_prompts(ev.bench, ev.limit, ev.max_turns, ev.split)
-    runner, proposer = TargetRunner(target), HeadProposer(head, target.vocab_size, "chain", k)
+    runner, proposer = TargetRunner(target), chain_proposer(head, target.vocab_size, k)
     prompts, outputs, rounds, answers = [], [], [], [[] for _ in items]
     batch_size = 1 if keeps_recurrent_state(target.model) else ev.batch_size  # one row is replayed (ReplayCache)
     bar = tqdm(total=sum(len(it) for it in items), desc=f"our chain of {k}", unit="prompt")
@@ -315,8 +315,9 @@ def evaluate_in_engine(ev: EvalConfig, export_dtype: str, target_cfg: TargetConf
         export = export_mtp(head, work / "native_mtp-export", export_dtype, target_dir)
         exports = {"native_mtp": laid_over(export, target_dir, work / "native_mtp")}
         ours = served_module(head, target.model, exports["native_mtp"])
-    elif head.config.kind == "eagle3":
-        exports = {layout: export_eagle3(head, layout, work / layout, export_dtype, str(target_dir))
+    elif head.config.kind in ("eagle3", "dflash"):
+        write = export_dflash if head.config.kind == "dflash" else export_eagle3
+        exports = {layout: write(head, layout, work / layout, export_dtype, str(target_dir))
                    for layout in ec.layouts if layout in ENGINE_LAYOUTS[ec.name]}
         # our chain drafts with the weights read back from the export, exactly what the engine reads: a rounded
         # copy of the in-memory head is not bit for bit what the export holds

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specdistill.decode.drafters import HeadProposer
+from specdistill.decode.drafters import chain_proposer
 from specdistill.decode.loop import speculative_generate
 from specdistill.decode.verify import GREEDY
 from specdistill.engines import EngineError
@@ -57,7 +57,7 @@ def chain_along(target: Target, head, prompts: list[list[int]], outputs: list[li
     rounds = []
     for prompt, output in tqdm(list(zip(prompts, outputs)), desc=f"our chain of {k} along the engine's outputs",
                                unit="prompt"):
-        proposer = HeadProposer(head, target.vocab_size, "chain", k)
+        proposer = chain_proposer(head, target.vocab_size, k)
         stats = speculative_generate(ForcedRunner(target, prompt + output), proposer, [prompt], max_new_tokens,
                                      target.eos_ids, GREEDY)  # one prompt: nothing padded
         if stats.tokens[0] != output:  # the engine stopped where our target's end-of-turn ids do not, or the reverse

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from specdistill.decode.drafters import HeadProposer
+from specdistill.decode.drafters import chain_proposer
 from specdistill.decode.loop import speculative_generate
 from specdistill.decode.tree import chain_tree
 from specdistill.decode.verify import GREEDY
@@ -39,13 +39,13 @@ def runner_up_first(logprobs_BKV: Tensor) -> Tensor:
     return out
 
 
-class ProbedChain(HeadProposer):
-    """A greedy chain of `depth` drafts for one prompt that records each draft's top-2 margin as
+class ProbedChain:
+    """A greedy chain proposer (`drafters.chain_proposer`) for one prompt that records each draft's top-2 margin as
     (round, position, margin) and, given `flip=(round, position)`, drafts the runner-up there."""
 
-    def __init__(self, head, target_vocab: int, depth: int, flip: tuple[int, int] | None = None):
-        super().__init__(head, target_vocab, "chain", depth)
-        self.flip, self.round, self.margins = flip, -1, []
+    def __init__(self, chain, flip: tuple[int, int] | None = None):
+        self.chain, self.flip, self.round, self.margins = chain, flip, -1, []
+        self.start, self.commit, self.select_rows = chain.start, chain.commit, chain.select_rows
 
     def _probe(self, logprobs_BKV: Tensor, position: int) -> Tensor:
         self.margins.append((self.round, position, top2_margin(logprobs_BKV[0, 0])))
@@ -55,16 +55,16 @@ class ProbedChain(HeadProposer):
         if roots_B.shape[0] != 1 or sampling.temperature > 0:
             raise ValueError("ProbedChain replays one prompt, greedily")
         self.round += 1
-        root = self._probe(self.root_logp_BV[:, None], 0)[:, 0]
-        step = self.drafter.step
+        root_logp_BV, step = self.chain.chain_parts(roots_B)
+        root = self._probe(root_logp_BV[:, None], 0)[:, 0]
         return chain_tree(roots_B, root, lambda tokens, parent, depth: self._probe(step(tokens, parent, depth), depth),
-                          self.depth)
+                          self.chain.depth)
 
 
 def replay(target: Target, head, prompt: list[int], k: int, max_new_tokens: int,
            flip: tuple[int, int] | None = None) -> tuple[list[int], list[tuple[int, int, float]]]:
     """One prompt's accepted drafts per round and every draft's (round, position, margin)."""
-    proposer = ProbedChain(head, target.vocab_size, k, flip)
+    proposer = ProbedChain(chain_proposer(head, target.vocab_size, k), flip)
     stats = speculative_generate(TargetRunner(target), proposer, [prompt], max_new_tokens, target.eos_ids, GREEDY,
                                  None, target.tokenizer.pad_token_id)
     return stats.accepted[0], proposer.margins

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from specdistill.cache import ResultCache, content_key
 from specdistill.config import EvalConfig, RunConfig
 from specdistill.decode import kernels
-from specdistill.decode.drafters import HeadProposer, LookupProposer
+from specdistill.decode.drafters import HeadProposer, LookupProposer, chain_proposer
 from specdistill.decode.loop import GenerationStats, plain_generate, speculative_generate
 from specdistill.decode.verify import GREEDY, Sampling
 from specdistill.distributed import gather_objects, rank_and_world
@@ -70,7 +70,7 @@ def load_any_head(path: str | Path, target: Target):
 
 
 def tree_shape(ev: EvalConfig, parallel: bool = False) -> dict:
-    """The head tree's (depth, topk, num_draft_tokens): the dynamic tree's, or the sampled tree's; a P-EAGLE head
+    """The head tree's (depth, topk, num_draft_tokens): the dynamic tree's, or the sampled tree's; a P-EAGLE or DFlash head
     (`parallel`) drafts a chain of the tree's depth, as vLLM serves it (its depths past the first do not read the
     draft before them, so a tree would branch into copies of one distribution)."""
     if parallel:
@@ -95,11 +95,12 @@ def drafters(head, target: Target, ev: EvalConfig) -> dict[str, tuple[object, in
     """name -> (proposer, depth of its trees)."""
     t = ev.tree
     parallel = drafts_in_parallel(head)
-    shape = "chain" if parallel else "sampled" if ev.temperature > 0 and ev.rejection == "multi_candidate" else "tree"
-    out = {MAIN: (HeadProposer(head, target.vocab_size, shape, t.depth, t.topk, t.num_draft_tokens, ev.branching),
-                  tree_shape(ev, parallel)["depth"])}
+    shape = "sampled" if ev.temperature > 0 and ev.rejection == "multi_candidate" else "tree"
+    main = (chain_proposer(head, target.vocab_size, t.depth) if parallel else
+            HeadProposer(head, target.vocab_size, shape, t.depth, t.topk, t.num_draft_tokens, ev.branching))
+    out = {MAIN: (main, tree_shape(ev, parallel)["depth"])}
     if "chain" in ev.baselines:
-        out["chain"] = (HeadProposer(head, target.vocab_size, "chain", t.depth), t.depth)
+        out["chain"] = (chain_proposer(head, target.vocab_size, t.depth), t.depth)
     if "prompt_lookup" in ev.baselines:
         out["prompt_lookup"] = (LookupProposer(ev.lookup_tokens, ev.lookup_max_ngram), ev.lookup_tokens)
     return out
@@ -337,7 +338,8 @@ def evaluate(cfg: RunConfig, target: Target, head, out_dir: Path, head_path: str
     report["serving_advice"] = advise(table, target_cost(target.model, ev.advice), head_cost(head, ev.advice),
                                       ev.advice, head.config.kind,
                                       serve_dirs or dict.fromkeys(("sglang", "vllm"), head_path or "<head dir>"),
-                                      evaluated_shapes(report, tallies), drafts_in_parallel(head))
+                                      evaluated_shapes(report, tallies), drafts_in_parallel(head),
+                                      head.config.block_size - 1 if head.config.kind == "dflash" else None)
     if ev.engine.name:  # the same head served by the engine, its tau beside our chain's
         report["engine"] = engine_digest(evaluate_in_engine(cfg.eval, cfg.export.dtype, cfg.target, target, head,
                                                             out_dir))
@@ -354,7 +356,8 @@ def evaluate_head_tau(head, target: Target, prompts: list[str], cfg: EvalConfig)
     was_training = head.training
     head.eval()
     t = cfg.tree
-    proposer = HeadProposer(head, target.vocab_size, "tree", t.depth, t.topk, t.num_draft_tokens)
+    proposer = (chain_proposer(head, target.vocab_size, t.depth) if drafts_in_parallel(head) else
+                HeadProposer(head, target.vocab_size, "tree", t.depth, t.topk, t.num_draft_tokens))
     runner, eos, pad = TargetRunner(target), target.eos_ids, target.tokenizer.pad_token_id
     rank, world = rank_and_world()
     starts = range(0, len(prompts), cfg.batch_size)

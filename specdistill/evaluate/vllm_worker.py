@@ -60,10 +60,12 @@ def main(request_path: str, result_path: str) -> None:
         engine_args["speculative_config"] = {"num_speculative_tokens": k}
     else:
         model = request["target"]
-        engine_args["speculative_config"] = {"method": "eagle3", "model": draft, "num_speculative_tokens": k}
         with open(os.path.join(draft, "config.json")) as f:
-            if json.load(f).get("parallel_drafting"):  # P-EAGLE: the HF layout's flag goes in by hand
-                engine_args["speculative_config"]["parallel_drafting"] = True
+            config = json.load(f)
+        method = "dflash" if "DFlashDraftModel" in (config.get("architectures") or []) else "eagle3"
+        engine_args["speculative_config"] = {"method": method, "model": draft, "num_speculative_tokens": k}
+        if config.get("parallel_drafting"):  # P-EAGLE: the HF layout's flag goes in by hand
+            engine_args["speculative_config"]["parallel_drafting"] = True
     t0 = time.perf_counter()
     llm = LLM(model=model, **engine_args)
     load_s = time.perf_counter() - t0

@@ -1,4 +1,5 @@
-"""Read any of our EAGLE-3 exports (sglang, vllm, speculators, trtllm) back into an `Eagle3Head`.
+"""Read any of our EAGLE-3 exports (sglang, vllm, speculators, trtllm) back into an `Eagle3Head`, and a DFlash export
+(vllm, speculators) into a `DFlashHead`.
 
 The layout is recognised from config.json, and its writer's `KEY_MAP` is inverted, so a renamed or
 missing key is reported by name. `t2d`, which most layouts do not write, is rebuilt from `d2t`.
@@ -11,7 +12,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from specdistill.export import EAGLE3_LAYOUTS, common
+from specdistill.export import EAGLE3_LAYOUTS, common, dflash
+from specdistill.heads.dflash import DFlashHead
 from specdistill.heads.eagle3 import Eagle3Config, Eagle3Head
 from specdistill.heads.layers import HeadArch
 
@@ -25,7 +27,7 @@ def detect_layout(config: dict) -> str:
         return "speculators"
     if "next_layer_regular" in (config.get("eagle_config") or {}):
         return "trtllm"
-    if "norm_before_residual" in config:
+    if "norm_before_residual" in config or dflash.is_dflash(config):
         return "vllm"
     return "sglang"
 
@@ -66,25 +68,29 @@ def head_config(config: dict, where: str) -> Eagle3Config:
         raise common.ExportError(f"{where}: missing config field {err}") from err
 
 
-def read_head(directory: str | Path, dtype: torch.dtype = torch.float32) -> Eagle3Head:
-    """Load an exported EAGLE-3 directory into a head (floating weights in `dtype`)."""
+def read_head(directory: str | Path, dtype: torch.dtype = torch.float32) -> Eagle3Head | DFlashHead:
+    """Load an exported EAGLE-3 or DFlash directory into a head (floating weights in `dtype`)."""
     directory = Path(directory)
     config = common.read_config(directory)
     where = str(directory / common.CONFIG_FILE)
     if detect_layout(config) == "native_mtp":
         raise common.ExportError(f"{where}: a target checkpoint with its own MTP layer, not a draft head export; "
                                  "pass the head's checkpoint (runs/<name>/ckpt/best) instead")
-    head_cfg = head_config(config, where)
-    layout = EAGLE3_LAYOUTS[detect_layout(config)]
+    is_dflash = dflash.is_dflash(config)
+    head_cfg = dflash.head_config(config, where) if is_dflash else head_config(config, where)
     weights = directory / common.WEIGHTS_FILE
     if not weights.exists():
         raise common.ExportError(f"{directory}: no {common.WEIGHTS_FILE}; expected the exported weights")
     tensors = load_file(str(weights))
-    key_map = common.eagle3_key_map(layout.KEY_MAP, head_cfg)
-    ours = {theirs: mine for mine, theirs in key_map.items() if theirs is not None}
+    if is_dflash:  # both layouts keep our names
+        ours = {key: key for key in dflash.shapes(head_cfg)}
+    else:
+        layout = EAGLE3_LAYOUTS[detect_layout(config)]
+        key_map = common.eagle3_key_map(layout.KEY_MAP, head_cfg)
+        ours = {theirs: mine for mine, theirs in key_map.items() if theirs is not None}
     unknown = sorted(set(tensors) - set(ours))
     if unknown:
-        raise common.ExportError(f"{weights}: keys {unknown} are not in the {layout.NAME} layout")
+        raise common.ExportError(f"{weights}: keys {unknown} are not in the {detect_layout(config)} layout")
     state = {ours[k]: v for k, v in tensors.items()}
     if "mask_hidden" in state:
         state["mask_hidden"] = state["mask_hidden"].reshape(1, -1)  # speculators keeps it [1, 1, A]
@@ -92,8 +98,11 @@ def read_head(directory: str | Path, dtype: torch.dtype = torch.float32) -> Eagl
         common.check_vocab_map(state["d2t"], None, head_cfg.vocab_size, str(weights))
         target_ids = torch.arange(len(state["d2t"])) + state["d2t"].long()
         state["t2d"] = torch.zeros(head_cfg.vocab_size, dtype=torch.bool).index_fill_(0, target_ids, True)
-    common.check_eagle3(state, head_cfg, str(weights), num_aux=None)
-    head = Eagle3Head(head_cfg)
+    if is_dflash:
+        dflash.check(state, head_cfg, str(weights))
+    else:
+        common.check_eagle3(state, head_cfg, str(weights), num_aux=None)
+    head = DFlashHead(head_cfg) if is_dflash else Eagle3Head(head_cfg)
     state = {k: (v.long() if k == "d2t" else v.to(dtype) if v.dtype.is_floating_point else v) for k, v in state.items()}
     head.load_state_dict(state, strict=False)
     return head.to(dtype)

@@ -6,7 +6,16 @@ import logging
 from pathlib import Path
 
 from specdistill.config import EMBEDDED_TARGET, RANDOM_TARGET, RunConfig
-from specdistill.export import EAGLE3_LAYOUTS, MTP_LAYOUTS, common, export_eagle3, export_mtp, fitting_formats
+from specdistill.export import (
+    EAGLE3_LAYOUTS,
+    MTP_LAYOUTS,
+    common,
+    dflash,
+    export_dflash,
+    export_eagle3,
+    export_mtp,
+    fitting_formats,
+)
 from specdistill.heads.checkpoint import load_head
 from specdistill.layout import RunLayout
 from specdistill.target import served_dir
@@ -30,15 +39,17 @@ def export_checkpoint(ckpt: str | Path, formats: list[str] | None, out: str | Pa
             log.warning("no engine serves the %s head in %s (an MTP head on a target without its own MTP layers); "
                         "nothing exported", kind, ckpt)
             return {}
-    layouts = EAGLE3_LAYOUTS if kind == "eagle3" else MTP_LAYOUTS
+    layouts = {"eagle3": EAGLE3_LAYOUTS, "dflash": dflash.LAYOUTS}.get(kind, MTP_LAYOUTS)
     unfit = [fmt for fmt in formats if fmt not in layouts]
     if unfit:  # checked for all formats before any is written
-        raise common.ExportError(f"export formats {unfit} do not fit the {kind} head in {ckpt}; "
-                                 f"EAGLE-3 layouts: {list(EAGLE3_LAYOUTS)}, MTP layouts: {list(MTP_LAYOUTS)}")
+        raise common.ExportError(f"export formats {unfit} do not fit the {kind} head in {ckpt}; EAGLE-3 layouts: "
+                                 f"{list(EAGLE3_LAYOUTS)}, DFlash layouts: {list(dflash.LAYOUTS)}, MTP layouts: "
+                                 f"{list(MTP_LAYOUTS)}")
     if layouts is MTP_LAYOUTS:
         paths = {fmt: str(export_mtp(head, Path(out) / fmt, dtype, checkpoint)) for fmt in formats}
     else:
-        paths = {fmt: str(export_eagle3(head, fmt, Path(out) / fmt, dtype, target, speculative_tokens=speculative_tokens))
+        write = export_dflash if kind == "dflash" else export_eagle3
+        paths = {fmt: str(write(head, fmt, Path(out) / fmt, dtype, target, speculative_tokens=speculative_tokens))
                  for fmt in formats}
     log.info("exported %s from %s to %s", ", ".join(formats), ckpt, out)
     return paths

@@ -24,8 +24,9 @@ class HeadConfigMixin:
 
 
 def drafts_in_parallel(head) -> bool:
-    """A P-EAGLE head: its depths past the first read a mask, not the draft before them (EAGLE-3 config only)."""
-    return bool(getattr(head.config, "parallel_drafting", False))
+    """A P-EAGLE or DFlash head: its depths past the first read a mask, not the draft before them, so one forward
+    drafts a chain and a tree would branch into copies of one distribution."""
+    return head.config.kind == "dflash" or bool(getattr(head.config, "parallel_drafting", False))
 
 
 class DraftHead(nn.Module):

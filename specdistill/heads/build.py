@@ -11,6 +11,7 @@ import logging
 import torch
 
 from specdistill.config import HeadConfig
+from specdistill.heads.dflash import DFlashConfig, DFlashHead
 from specdistill.heads.eagle3 import Eagle3Config, Eagle3Head
 from specdistill.heads.layers import HeadArch
 from specdistill.heads.mtp import MTPConfig, MTPHead
@@ -19,7 +20,7 @@ from specdistill.io import embedding_fingerprint
 
 log = logging.getLogger(__name__)
 HEADS = {"eagle3": (Eagle3Config, Eagle3Head), "mtp": (MTPConfig, MTPHead),
-         "native_mtp": (NativeMTPConfig, NativeMTPHead)}
+         "native_mtp": (NativeMTPConfig, NativeMTPHead), "dflash": (DFlashConfig, DFlashHead)}
 
 
 def arch_from_target(target_config, head_cfg: HeadConfig) -> HeadArch:
@@ -56,8 +57,9 @@ def target_rope(target_config) -> dict:
     return dict(rope)
 
 
-def build_head(head_cfg: HeadConfig, target, d2t: torch.Tensor, t2d: torch.Tensor):
-    """A new head sized for `target`, with the target's embedding (and lm_head rows) copied in."""
+def build_head(head_cfg: HeadConfig, target, d2t: torch.Tensor, t2d: torch.Tensor, block_size: int = 5):
+    """A new head sized for `target`, with the target's embedding (and lm_head rows) copied in; a DFlash head drafts
+    blocks of `block_size` slots (the bonus and the masks)."""
     if head_cfg.kind not in HEADS:
         raise ValueError(
             f"config field `head.kind`: {head_cfg.kind!r} is not built yet; available: {list(HEADS)}"
@@ -66,9 +68,13 @@ def build_head(head_cfg: HeadConfig, target, d2t: torch.Tensor, t2d: torch.Tenso
     if head_cfg.kind == "mtp" and declares_mtp(tc):
         return build_native_mtp(target)
     config_cls, head_cls = HEADS[head_cfg.kind]
-    extra = {"num_modules": head_cfg.mtp_num_modules} if head_cfg.kind == "mtp" else {
-        "fc_norm": head_cfg.fc_norm, "parallel_drafting": head_cfg.parallel_drafting,
-        "mask_token_id": mask_token_id(head_cfg, target) if head_cfg.parallel_drafting else None}
+    extra = {
+        "mtp": lambda: {"num_modules": head_cfg.mtp_num_modules},
+        "dflash": lambda: {"num_layers": head_cfg.num_layers, "block_size": block_size,
+                           "mask_token_id": mask_token_id(head_cfg, target)},
+        "eagle3": lambda: {"fc_norm": head_cfg.fc_norm, "parallel_drafting": head_cfg.parallel_drafting,
+                           "mask_token_id": mask_token_id(head_cfg, target) if head_cfg.parallel_drafting else None},
+    }[head_cfg.kind]()
     config = config_cls(
         arch=arch_from_target(tc, head_cfg),
         vocab_size=tc.vocab_size,
@@ -99,7 +105,7 @@ def build_head(head_cfg: HeadConfig, target, d2t: torch.Tensor, t2d: torch.Tenso
 
 
 def mask_token_id(head_cfg: HeadConfig, target) -> int:
-    """P-EAGLE's mask token: `head.mask_token_id`, else the tokenizer's mask token, else its first unused embedding
+    """The mask slots' token (P-EAGLE, DFlash): `head.mask_token_id`, else the tokenizer's mask token, else its first unused embedding
     row, else pad, else eos (speculators' order, so a head trained by either picks the same token)."""
     vocab = target.config.vocab_size
     if head_cfg.mask_token_id is not None:
@@ -114,7 +120,7 @@ def mask_token_id(head_cfg: HeadConfig, target) -> int:
     unused = len(tok) if len(tok) < vocab else None
     for found in (tok.mask_token_id, unused, tok.pad_token_id, tok.eos_token_id):
         if found is not None:
-            log.info("P-EAGLE mask token: %d (%r)", found, tok.convert_ids_to_tokens(found) if found < len(tok) else
+            log.info("mask token: %d (%r)", found, tok.convert_ids_to_tokens(found) if found < len(tok) else
                      "an unused embedding row")
             return int(found)
     raise ValueError("config field `head.mask_token_id`: the tokenizer has no mask, pad or eos token and no unused "

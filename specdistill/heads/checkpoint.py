@@ -36,7 +36,7 @@ def check_head_fits_target(head, target, where: str | Path) -> None:
     sides = [("vocabulary", c.vocab_size, target.vocab_size),
              ("hidden size", c.target_hidden_size, target.hidden_size),
              ("decoder layers", c.target_num_layers, target.config.num_hidden_layers)]
-    if c.kind == "eagle3":  # an MTP head reads only the last hidden state
+    if c.kind in ("eagle3", "dflash"):  # an MTP head reads only the last hidden state
         sides.append(("capture layers", list(c.aux_layer_ids), list(target.layer_ids)))
     if c.target_embedding is not None:
         sides.append(("input embedding fingerprint", c.target_embedding[:12],

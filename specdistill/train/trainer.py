@@ -36,6 +36,7 @@ from specdistill.redact import redacted
 from specdistill.target import Target, computing_in
 from specdistill.target_runner import TargetRunner
 from specdistill.train.accelerator import all_ranks_true, make_accelerator
+from specdistill.train.block import unroll_block
 from specdistill.train.checkpoint import CheckpointManager
 from specdistill.train.curves import plot_history
 from specdistill.train.data import PLANS, OnlineSource, StoreSource, collate, holdout_split
@@ -49,7 +50,8 @@ COPY_INIT_SAMPLES = 40  # training samples the copy heads' token read-out is fit
 
 
 class TTTModel(nn.Module):
-    """Wraps a head so the TTT unroll runs through `forward` (what DeepSpeed engines expect)."""
+    """Wraps a head so its objective (the TTT unroll; a DFlash head's block denoising) runs through `forward` (what
+    DeepSpeed engines expect)."""
 
     def __init__(self, head: nn.Module, steps: int, step_weight: float, loss: str):
         super().__init__()
@@ -57,7 +59,8 @@ class TTTModel(nn.Module):
         self.steps, self.step_weight, self.loss_fn = steps, step_weight, LOSSES[loss]
 
     def forward(self, batch: TTTBatch, teacher) -> TTTResult:
-        return unroll_ttt(self.head, batch, teacher, self.steps, self.step_weight, self.loss_fn)
+        objective = unroll_block if self.head.config.kind == "dflash" else unroll_ttt
+        return objective(self.head, batch, teacher, self.steps, self.step_weight, self.loss_fn)
 
 
 def load_tau_evaluator(ev: EvalConfig, eval_every: int, target: Target):
@@ -113,7 +116,7 @@ class Trainer:
         self.plan = PLANS[cfg.train.batching]
         self.packed = cfg.train.batching == "pack"
         torch.manual_seed(cfg.seed)
-        self.head = build_head(cfg.head, target, vocab.d2t_N, vocab.t2d_V)
+        self.head = build_head(cfg.head, target, vocab.d2t_N, vocab.t2d_V, cfg.train.ttt_steps + 1)
         runner = TargetRunner(target)
         norm = runner.final_norm().float()
         self.target_lm_head = target.model.get_output_embeddings().weight
