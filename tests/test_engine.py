@@ -417,7 +417,7 @@ def dflash_served(embedded_run, tmp_path_factory):
     it from, and served beside our block drafter with a copy of the vllm export whose captured layers are each one
     further (the plain engine run reused from the embedded run): the report."""
     run_dir, _ = embedded_run
-    head = load_head(trained_beside(run_dir, "dflash", "head=dflash"))
+    head = load_head(trained_beside(run_dir, "dflash", "head=dflash", "eval.tree.depth=3"))  # its block: 3 masks
     target_cfg = TargetConfig()
     out = reusing_engine_runs(run_dir, tmp_path_factory.mktemp("dflash") / "check")
     exports = {fmt: export_dflash(head, fmt, out / "exports" / fmt, "float32", str(served_dir(target_cfg)))
