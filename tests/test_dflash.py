@@ -16,31 +16,18 @@ from specdistill.export.common import ExportError
 from specdistill.export.dflash import LAYOUTS
 from specdistill.export.reader import detect_layout, read_head
 from specdistill.heads.build import build_head
-from specdistill.heads.dflash import DFlashConfig, DFlashHead, dense_attention
-from specdistill.heads.layers import HeadArch
+from specdistill.heads.dflash import DFlashHead, dense_attention
 from specdistill.target import load_target
 from specdistill.target_runner import TargetOutput, TargetRunner
 from specdistill.train.block import unroll_block
 from specdistill.train.loss import LOSSES
-from tests.test_ttt import random_batch, random_teacher
+from tests.test_ttt import random_batch, random_teacher, tiny_head
 
 VOCAB, DRAFT, STEPS = 96, 48, 3
 
 
-def tiny_dflash(num_layers=2, seed=0) -> DFlashHead:
-    torch.manual_seed(seed)
-    arch = HeadArch(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    head = DFlashHead(DFlashConfig(arch=arch, vocab_size=VOCAB, draft_vocab_size=DRAFT, target_hidden_size=32,
-                                   aux_layer_ids=[1, 2, 3], target_num_layers=6, mask_token_id=VOCAB - 1,
-                                   block_size=STEPS + 1, num_layers=num_layers))
-    for p in head.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    ids = torch.sort(torch.randperm(VOCAB)[:DRAFT]).values
-    head.d2t.copy_(ids - torch.arange(DRAFT))
-    head.t2d.zero_()
-    head.t2d[ids] = True
-    return head
+def tiny_dflash(num_layers=2) -> DFlashHead:
+    return tiny_head("dflash", VOCAB, DRAFT, num_layers=num_layers)
 
 
 def recorded_block(head, batch):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from specdistill.decode.drafters import Drafter
+from specdistill.heads.dflash import DFlashConfig, DFlashHead
 from specdistill.heads.eagle3 import Eagle3Config, Eagle3Head
 from specdistill.heads.layers import HeadArch, ttt_attention
 from specdistill.heads.mtp import MTPConfig, MTPHead
@@ -16,7 +17,7 @@ from specdistill.train.ttt import TTTBatch, causal_mask, teacher_rows, trained_w
 HEAD_KINDS = ["eagle3", "peagle", "mtp", "mtp3"]
 
 
-def tiny_head(kind="eagle3", vocab=96, draft=48, hidden=32, seed=0):
+def tiny_head(kind="eagle3", vocab=96, draft=48, hidden=32, seed=0, num_layers=2):
     torch.manual_seed(seed)
     arch = HeadArch(hidden_size=hidden, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
@@ -25,6 +26,8 @@ def tiny_head(kind="eagle3", vocab=96, draft=48, hidden=32, seed=0):
     if kind in ("eagle3", "peagle"):
         parallel = {"parallel_drafting": True, "mask_token_id": vocab - 1} if kind == "peagle" else {}
         head = Eagle3Head(Eagle3Config(**common, **parallel))
+    elif kind == "dflash":  # blocks of the bonus and 3 masks; `num_layers` its layers
+        head = DFlashHead(DFlashConfig(**common, mask_token_id=vocab - 1, block_size=4, num_layers=num_layers))
     else:
         head = MTPHead(MTPConfig(**common, num_modules=3 if kind == "mtp3" else 1))
     for p in head.parameters():
