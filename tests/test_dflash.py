@@ -142,6 +142,8 @@ def test_block_drafting_equals_greedy_decoding(batch_size):
     assert tokens == reference
     with pytest.raises(ValueError, match="drafts 1 to 3 tokens a round, not 4"):
         BlockProposer(head, target.vocab_size, 4)
+    with pytest.raises(ValueError, match="needs its block size"):
+        build_head(HeadConfig(kind="dflash"), target, ids - torch.arange(len(ids)), t2d)
 
 
 @pytest.mark.parametrize("fmt", LAYOUTS)

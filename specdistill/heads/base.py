@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
@@ -10,8 +10,19 @@ from torch import nn
 from specdistill.heads.layers import HeadArch
 
 
-class HeadConfigMixin:
-    """(De)serialisation of a head config dataclass holding a nested HeadArch."""
+@dataclass(kw_only=True)
+class DraftHeadConfig:
+    """What every trained head's config holds of its target, and its (de)serialisation with the nested HeadArch.
+    Keyword-only, so each head's own fields follow whichever of these have defaults."""
+
+    arch: HeadArch
+    vocab_size: int  # target vocabulary
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: list[int]  # decoder-layer outputs (1, L//2-1, L-4): what the feature store holds
+    target_num_layers: int
+    target_name: str | None = None  # the target it was trained for (None: read back from an engine export)
+    target_embedding: str | None = None  # `embedding_fingerprint` of that target's input embedding
 
     def to_dict(self) -> dict:
         return asdict(self)

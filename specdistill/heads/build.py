@@ -57,13 +57,15 @@ def target_rope(target_config) -> dict:
     return dict(rope)
 
 
-def build_head(head_cfg: HeadConfig, target, d2t: torch.Tensor, t2d: torch.Tensor, block_size: int = 5):
+def build_head(head_cfg: HeadConfig, target, d2t: torch.Tensor, t2d: torch.Tensor, block_size: int | None = None):
     """A new head sized for `target`, with the target's embedding (and lm_head rows) copied in; a DFlash head drafts
-    blocks of `block_size` slots (the bonus and the masks)."""
+    blocks of `block_size` slots (the bonus and the masks: `train.ttt_steps + 1`), which only it needs."""
     if head_cfg.kind not in HEADS:
         raise ValueError(
             f"config field `head.kind`: {head_cfg.kind!r} is not built yet; available: {list(HEADS)}"
         )
+    if head_cfg.kind == "dflash" and block_size is None:
+        raise ValueError("a DFlash head needs its block size (train.ttt_steps + 1): pass block_size to build_head")
     tc = target.config
     if head_cfg.kind == "mtp" and declares_mtp(tc):
         return build_native_mtp(target)

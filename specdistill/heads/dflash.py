@@ -21,24 +21,16 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from specdistill.heads.base import DraftHead, HeadConfigMixin
+from specdistill.heads.base import DraftHead, DraftHeadConfig
 from specdistill.heads.layers import MLP, Attention, HeadArch, RMSNorm, Rotary
 
 
 @dataclass
-class DFlashConfig(HeadConfigMixin):
-    arch: HeadArch
-    vocab_size: int  # target vocabulary
-    draft_vocab_size: int
-    target_hidden_size: int
-    aux_layer_ids: list[int]  # decoder-layer outputs (1, L//2-1, L-4)
-    target_num_layers: int
+class DFlashConfig(DraftHeadConfig):
     mask_token_id: int
     block_size: int  # the bonus slot plus the mask slots trained (train.ttt_steps + 1)
     num_layers: int = 1
     kind: str = "dflash"
-    target_name: str | None = None
-    target_embedding: str | None = None
 
 
 class QKNormAttention(Attention):

@@ -17,21 +17,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specdistill.heads.base import DraftHead, HeadConfigMixin
+from specdistill.heads.base import DraftHead, DraftHeadConfig
 from specdistill.heads.layers import MLP, Attention, HeadArch, RMSNorm, Rotary
 
 
 @dataclass
-class Eagle3Config(HeadConfigMixin):
-    arch: HeadArch
-    vocab_size: int  # target vocabulary
-    draft_vocab_size: int
-    target_hidden_size: int
-    aux_layer_ids: list[int]  # decoder-layer outputs (1, L//2-1, L-4)
-    target_num_layers: int
+class Eagle3Config(DraftHeadConfig):
     kind: str = "eagle3"
-    target_name: str | None = None  # the target it was trained for (None: read back from an engine export)
-    target_embedding: str | None = None  # `embedding_fingerprint` of that target's input embedding
     fc_norm: bool = False  # Eagle 3.1: an RMSNorm per captured layer before fc (a config without it: plain EAGLE-3)
     parallel_drafting: bool = False  # P-EAGLE: depths past 0 read `mask_token_id` and `mask_hidden`
     mask_token_id: int | None = None

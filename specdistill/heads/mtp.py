@@ -15,21 +15,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specdistill.heads.base import DraftHead, HeadConfigMixin
+from specdistill.heads.base import DraftHead, DraftHeadConfig
 from specdistill.heads.layers import MLP, Attention, HeadArch, RMSNorm, Rotary
 
 
 @dataclass
-class MTPConfig(HeadConfigMixin):
-    arch: HeadArch
-    vocab_size: int
-    draft_vocab_size: int
-    target_hidden_size: int
-    aux_layer_ids: list[int]  # what the feature store holds; the MTP head itself reads only `last`
-    target_num_layers: int
+class MTPConfig(DraftHeadConfig):  # of the captured layers the MTP head reads only `last`
     num_modules: int = 1
-    target_name: str | None = None  # the target it was trained for (None: read back from an engine export)
-    target_embedding: str | None = None  # `embedding_fingerprint` of that target's input embedding
     kind: str = "mtp"
 
 
