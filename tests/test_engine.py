@@ -363,40 +363,6 @@ def test_an_eagle31_export_without_its_norms_weights_makes_vllm_disagree(eagle31
     assert [{key: p[key] for key in COUNTED} for p in m["per_prompt"]] == [chain_counters(r, k) for r in rounds]
 
 
-@pytest.fixture(scope="module")
-def peagle_served(embedded_run, tmp_path_factory):
-    """A P-EAGLE head (`head=peagle`) trained as the embedded run's head was, on its stored features, exported in
-    float32 in both layouts vLLM serves it from, and served beside our chain with a copy of the vllm export whose
-    mask token is another one (the plain engine run reused from the embedded run): the report."""
-    run_dir, _ = embedded_run
-    head = load_head(trained_beside(run_dir, "peagle", "head=peagle"))
-    target_cfg = TargetConfig()
-    out = reusing_engine_runs(run_dir, tmp_path_factory.mktemp("peagle") / "check")
-    exports = {fmt: export_eagle3(head, fmt, out / "exports" / fmt, "float32", str(served_dir(target_cfg)))
-               for fmt in ("vllm", "speculators")}
-    exports["mask_token_wrong"] = faulty(exports["vllm"], out / "exports" / "mask_token_wrong", "mask_token_wrong")
-    return engine_evaluation(EngineConfig(name="vllm"), served_as_in(run_dir, limit=4, max_new_tokens=48),
-                             load_target(target_cfg), head, exports, served_dir(target_cfg), out)
-
-
-@pytest.mark.slow
-def test_vllm_serves_a_peagle_head_exactly_as_our_chain_counts(peagle_served):
-    ours, n = peagle_served["ours"], peagle_served["num_prompts"]
-    # the parallel depths draft tokens the target keeps: a wrong mask token could change their counts
-    assert ours["accepted_per_pos"][1] > 0 and ours["accepted_per_pos"][2] > 0, ours
-    for layout in ("vllm", "speculators"):
-        m = peagle_served["layouts"][layout]
-        assert m["weight_warnings"] == [] and m["outputs_equal_plain"] == n, layout
-        assert m["counters_equal_ours"] and m["prompts_equal_ours"] == n and m["finding"] is None, (layout, m["finding"])
-
-
-@pytest.mark.slow
-def test_a_peagle_export_with_another_mask_token_makes_vllm_disagree(peagle_served):
-    m = peagle_served["layouts"]["mask_token_wrong"]
-    assert not m["counters_equal_ours"] and "differ from ours in float32" in m["finding"], m["finding"]
-    assert m["outputs_equal_plain"] == peagle_served["num_prompts"]  # still lossless: only the drafts changed
-
-
 def trained_beside(run_dir: Path, name: str, *overrides: str) -> Path:
     """A head trained as the embedded run's was (`+exp=engine_check` and `overrides`), on its stored data and
     features: its checkpoint directory."""
@@ -411,37 +377,50 @@ def trained_beside(run_dir: Path, name: str, *overrides: str) -> Path:
     return trained_head_dir(root / name / "ckpt")
 
 
-@pytest.fixture(scope="module")
-def dflash_served(embedded_run, tmp_path_factory):
-    """A DFlash head (`head=dflash`) trained beside the embedded run's, exported in float32 in both layouts vLLM serves
-    it from, and served beside our block drafter with a copy of the vllm export whose captured layers are each one
-    further (the plain engine run reused from the embedded run): the report."""
+# Drafters whose later positions read a mask (one forward drafts the chain): how each is trained beside the embedded
+# run's head, its exporter, and the fault that must make vLLM draft otherwise. A DFlash block holds
+# `+exp=engine_check`'s 3 masks, so its evaluation tree is 3 deep.
+PARALLEL_DRAFTERS = {
+    "peagle": (["head=peagle"], export_eagle3, "mask_token_wrong"),
+    "dflash": (["head=dflash", "eval.tree.depth=3"], export_dflash, "layer_ids_off_by_one"),
+}
+
+
+@pytest.fixture(scope="module", params=list(PARALLEL_DRAFTERS))
+def parallel_served(request, embedded_run, tmp_path_factory):
+    """A head of each kind in `PARALLEL_DRAFTERS` trained beside the embedded run's, exported in float32 in both
+    layouts vLLM serves it from, and served beside our drafter with a copy of the vllm export carrying its fault
+    (the plain engine run reused from the embedded run): (the fault, the report)."""
+    overrides, export, fault = PARALLEL_DRAFTERS[request.param]
     run_dir, _ = embedded_run
-    head = load_head(trained_beside(run_dir, "dflash", "head=dflash", "eval.tree.depth=3"))  # its block: 3 masks
+    head = load_head(trained_beside(run_dir, request.param, *overrides))
     target_cfg = TargetConfig()
-    out = reusing_engine_runs(run_dir, tmp_path_factory.mktemp("dflash") / "check")
-    exports = {fmt: export_dflash(head, fmt, out / "exports" / fmt, "float32", str(served_dir(target_cfg)))
+    out = reusing_engine_runs(run_dir, tmp_path_factory.mktemp(request.param) / "check")
+    exports = {fmt: export(head, fmt, out / "exports" / fmt, "float32", str(served_dir(target_cfg)))
                for fmt in ("vllm", "speculators")}
-    exports["layer_ids_off_by_one"] = faulty(exports["vllm"], out / "exports" / "layers", "layer_ids_off_by_one")
-    return engine_evaluation(EngineConfig(name="vllm"), served_as_in(run_dir, limit=4, max_new_tokens=48),
-                             load_target(target_cfg), head, exports, served_dir(target_cfg), out)
+    exports[fault] = faulty(exports["vllm"], out / "exports" / fault, fault)
+    return fault, engine_evaluation(EngineConfig(name="vllm"), served_as_in(run_dir, limit=4, max_new_tokens=48),
+                                    load_target(target_cfg), head, exports, served_dir(target_cfg), out)
 
 
 @pytest.mark.slow
-def test_vllm_serves_a_dflash_head_exactly_as_our_block_drafter_counts(dflash_served):
-    ours, n = dflash_served["ours"], dflash_served["num_prompts"]
-    assert ours["accepted_per_pos"][1] > 0 and ours["accepted_per_pos"][2] > 0, ours  # mask slots drafting kept tokens
+def test_vllm_serves_a_parallel_drafter_exactly_as_ours_counts(parallel_served):
+    _, report = parallel_served
+    ours, n = report["ours"], report["num_prompts"]
+    # the mask positions draft tokens the target keeps: the fault below could change their counts
+    assert ours["accepted_per_pos"][1] > 0 and ours["accepted_per_pos"][2] > 0, ours
     for layout in ("vllm", "speculators"):
-        m = dflash_served["layouts"][layout]
+        m = report["layouts"][layout]
         assert m["weight_warnings"] == [] and m["outputs_equal_plain"] == n, layout
         assert m["counters_equal_ours"] and m["prompts_equal_ours"] == n and m["finding"] is None, (layout, m["finding"])
 
 
 @pytest.mark.slow
-def test_a_dflash_export_reading_other_layers_makes_vllm_disagree(dflash_served):
-    m = dflash_served["layouts"]["layer_ids_off_by_one"]
-    assert not m["counters_equal_ours"] and "differ from ours in float32" in m["finding"], m["finding"]
-    assert m["outputs_equal_plain"] == dflash_served["num_prompts"]  # still lossless: only the drafts changed
+def test_a_parallel_drafter_export_with_its_fault_makes_vllm_disagree(parallel_served):
+    fault, report = parallel_served
+    m = report["layouts"][fault]
+    assert not m["counters_equal_ours"] and "differ from ours in float32" in m["finding"], (fault, m["finding"])
+    assert m["outputs_equal_plain"] == report["num_prompts"]  # still lossless: only the drafts changed
 
 
 def served_as_in(run_dir: Path, **settings) -> EvalConfig:
