@@ -8,7 +8,7 @@ optimizer steps, each served by vLLM on the same frozen test-split prompts in on
    data and features and takes as many optimizer steps.
 2. Each head is exported in the vllm layout (`--dtype`) and served with the plain target on `--prompts` test-split
    prompts, a chain of `--k`, one request at a time: tau with a paired 95% interval against EAGLE-3, acceptance
-   per position, tokens/s beside plain decoding's.
+   per position, tokens/s beside plain decoding's, every engine run (plain included) made afresh in this sitting.
 
 Writes <run>/drafters/drafters.json, prints the table and ends with `RESULT baseline=eagle3 <drafter>_tau_ratio=...
 <drafter>_tokens_per_s_ratio=...` (each against the run's EAGLE-3 head).
@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import time
 from pathlib import Path
 
 from specdistill.config import run_config_of
@@ -77,7 +78,10 @@ def main() -> None:
     items, _ = load_prompts(cfg.eval.bench, args.prompts, 1, "test")
     request = serve_request(target, target_dir, [conversation_ids(target.tokenizer, turns, []) for turns in items],
                             args.k, args.dtype, args.max_new_tokens)
-    python, work = engine_python("vllm", None, "benchmarks/drafters.py"), out / "engine"
+    # tokens/s are compared within one sitting only (they move by a fifth between sittings here), so every engine run
+    # is made afresh in a folder of this sitting's, never read back from an earlier one's cache
+    python, work = engine_python("vllm", None, "benchmarks/drafters.py"), out / "engine" / time.strftime("%Y%m%d-%H%M%S")
+    logging.info("this sitting's engine runs: %s", work)
     plain = run_worker("vllm", python, request, work, "plain")
     heads = {}
     for name, (layout, budget) in runs.items():
@@ -89,7 +93,7 @@ def main() -> None:
     for name in drafters[1:]:
         heads[name]["tau_ratio"] = counters_tau_ratio(heads[name]["per_prompt"], heads[base]["per_prompt"], cfg.seed)
     report = {"run": str(args.run), "baseline": base,
-              "engine": {"version": plain["version"], "dtype": args.dtype, "k": args.k, "split": "test",
+              "engine": {"version": plain["version"], "dtype": args.dtype, "k": args.k, "split": "test", "runs": str(work),
                          "prompts": len(items), "max_new_tokens": args.max_new_tokens,
                          "plain_tokens_per_s": round(sum(map(len, plain["outputs"])) / plain["wall_s"], 2)},
               "heads": heads}
