@@ -61,8 +61,8 @@ class LazyTarget:
                      self._target.config.num_hidden_layers, self._target.layer_ids, self._target.model.device,
                      time.time() - t0)
             if not bf16_is_native(self._target.model.device):
-                log.warning("this CPU only emulates bf16 (no AVX512): dtype `auto` (regeneration, training) runs fp32 "
-                            "here, several times slower than on a CPU with AMX or AVX512-BF16 or on a GPU")
+                log.warning("this CPU only emulates bf16 (no AVX512-BF16 or AMX): dtype `auto` (regeneration, training) "
+                            "runs fp32 here, several times slower than on a CPU with either or on a GPU")
         return self._target
 
 

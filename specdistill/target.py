@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
 import importlib.metadata
 import json
 import logging
 import os
+import platform
 import shutil
 import tempfile
 from pathlib import Path
@@ -36,9 +38,27 @@ CHATML_TEMPLATE = (
 
 
 def bf16_is_native(device: torch.device | str) -> bool:
-    """bf16 multiplies at least as fast as fp32 here: on a GPU, and on a CPU with AVX512 (oneDNN's bf16 kernels). An AVX2-only
-    CPU emulates it and is slower in bf16 than in fp32 (docs/results.md, "Machines and timings")."""
-    return torch.device(device).type == "cuda" or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    """bf16 multiplies at least as fast as fp32 here: on a GPU, and on a CPU with bf16 instructions (x86: AVX512-BF16
+    or AMX; elsewhere oneDNN's own check). oneDNN also runs bf16 on AVX512 without BF16 and on AVX2, by converting to
+    fp32: slower than fp32 itself (docs/results.md, "Machines and timings")."""
+    if torch.device(device).type == "cuda":
+        return True
+    flags = x86_cpu_flags()
+    if flags is not None:
+        return bool(flags & {"avx512_bf16", "amx_bf16"})
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+@functools.cache
+def x86_cpu_flags() -> frozenset[str] | None:
+    """The feature flags of an x86 CPU as Linux lists them (/proc/cpuinfo), or None (another CPU or system)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    return next((frozenset(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), None)
 
 
 def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:

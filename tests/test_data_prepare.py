@@ -293,8 +293,21 @@ def test_real_embedded_target_synthesises_and_masks(tmp_path):
         assert tok.decode(masked) == answer + "<|im_end|>"
 
 
+@pytest.mark.parametrize("flags, native", [
+    ({"avx2", "avx512f", "avx512bw", "avx512_vnni"}, False),  # oneDNN runs bf16 here too, converting to fp32
+    ({"avx2", "fma"}, False),
+    ({"avx512f", "avx512bw", "avx512_bf16"}, True),
+    ({"avx512f", "amx_tile", "amx_bf16"}, True),
+])
+def test_bf16_is_native_only_on_cpus_with_bf16_instructions(monkeypatch, flags, native):
+    monkeypatch.setattr(specdistill.target, "x86_cpu_flags", lambda: frozenset(flags))
+    assert specdistill.target.bf16_is_native("cpu") is native
+    assert specdistill.target.resolve_dtype("auto", "cpu") is (torch.bfloat16 if native else torch.float32)
+
+
 def test_generation_dtype_auto_is_bf16_only_where_it_is_native(prepared, monkeypatch):
-    """An AVX2-only CPU emulates bf16 (~5x slower than fp32), so `auto` regenerates in fp32 there."""
+    """A CPU without bf16 instructions emulates it (an AVX2 one ~5x slower than fp32), so `auto` regenerates in fp32
+    there."""
     target = prepared[3]
     assert specdistill.target.resolve_dtype("auto", "cuda") is torch.bfloat16
     for native, dtype in ((True, torch.bfloat16), (False, torch.float32)):
