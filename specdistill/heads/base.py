@@ -11,11 +11,10 @@ from specdistill.heads.layers import HeadArch
 
 
 @dataclass(kw_only=True)
-class DraftHeadConfig:
-    """What every trained head's config holds of its target, and its (de)serialisation with the nested HeadArch.
-    Keyword-only, so each head's own fields follow whichever of these have defaults."""
+class TargetFields:
+    """What every head's config holds of its target, and its (de)serialisation. Keyword-only, so each head's own
+    fields follow whichever of these have defaults."""
 
-    arch: HeadArch
     vocab_size: int  # target vocabulary
     draft_vocab_size: int
     target_hidden_size: int
@@ -29,9 +28,18 @@ class DraftHeadConfig:
 
     @classmethod
     def from_dict(cls, d: dict):
-        d = dict(d)
-        d["arch"] = HeadArch(**d["arch"])
         return cls(**d)
+
+
+@dataclass(kw_only=True)
+class DraftHeadConfig(TargetFields):
+    """A head of our own layers: its target's fields and its layers' sizes (a nested HeadArch)."""
+
+    arch: HeadArch
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        return super().from_dict(d | {"arch": HeadArch(**d["arch"])})
 
 
 def drafts_in_parallel(head) -> bool:

@@ -25,7 +25,7 @@ import importlib
 import json
 import logging
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -37,7 +37,7 @@ from transformers.modeling_layers import MtpLayer, MtpModel
 from transformers.modeling_utils import AttentionInterface
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from specdistill.heads.base import DraftHead
+from specdistill.heads.base import DraftHead, TargetFields
 from specdistill.heads.layers import HeadArch
 
 log = logging.getLogger(__name__)
@@ -124,23 +124,9 @@ def with_one_mtp_layer(hf_config):
 
 
 @dataclass
-class NativeMTPConfig:
+class NativeMTPConfig(TargetFields):  # the full vocabulary drafted (the target's lm_head); the module reads only `last`
     target_config: dict  # the target's transformers config (to_dict): the module's classes and sizes
-    vocab_size: int
-    draft_vocab_size: int  # the full vocabulary: the engine drafts with the target's lm_head
-    target_hidden_size: int
-    aux_layer_ids: list[int]  # what the feature store holds; the module reads only `last`
-    target_num_layers: int
-    target_name: str | None = None
-    target_embedding: str | None = None
     kind: str = "native_mtp"
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict):
-        return cls(**d)
 
     @property
     def family(self) -> MtpFamily:
